@@ -1,0 +1,209 @@
+"""Stage 2 of the pipeline: the dispatcher -- task ids, the outstanding table, assignment.
+
+Task ids are the positions of batches in the epoch (``send_idx`` is the next new one). A task
+is *outstanding* from the moment it is drawn until its result reaches the main process.
+
+Map-style tasks may run on any worker (a task's values depend on its id only), so a new task
+goes to the least-loaded ready worker, and a dead worker's tasks go straight to the survivors
+(ahead of their prefetched work: workers run the lowest id first) while its replacement starts.
+Stream tasks belong to one worker's shard: they are dealt round-robin over the workers not yet
+exhausted, like torch, and a dead worker's tasks wait for its replacement.
+
+Invariants (``check_invariants``):
+  * every outstanding task is in exactly one place: in the ``outstanding`` list of the live
+    slot it was sent to, in ``resend`` (map, waiting for a worker), or in the ``outstanding``
+    list of a DEAD stream slot (waiting for its replacement);
+  * no outstanding id has been released by the reorder buffer.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ._supervisor import READY_STATE, STARTING, Supervisor, WorkerSlot
+from ._worker import TASK_MSG
+
+
+class Task:
+    __slots__ = ("failures", "payload", "tid", "worker")
+
+    def __init__(self, tid: int, payload: Any, worker: int = -1) -> None:
+        self.tid = tid
+        self.payload = payload  # sample indices (map) or fetch number k (stream)
+        self.worker = worker  # assigned slot, -1 while waiting to be re-sent
+        self.failures: list[str] = []  # one line per worker death while running it
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        sup: Supervisor,
+        iterable: bool,
+        prefetch_factor: int,
+        source: Iterator[Any],
+        start_tid: int,
+        seen: Any,
+        backlog: Any,
+        next_worker: int = 0,
+    ) -> None:
+        self.sup = sup
+        self.iterable = iterable
+        self.per_worker = max(1, prefetch_factor)
+        self.limit = max(1, prefetch_factor * len(sup.slots))
+        self.source = source
+        self.source_done = False
+        self.send_idx = start_tid
+        self._seen = seen  # tid -> already released (a checkpoint taken with in_order=False)
+        self._backlog = backlog  # () -> results received but not yet released
+        self.tasks: dict[int, Task] = {}
+        self.resend: list[int] = []  # map tids owed a worker, lowest first
+        self.cycle = next_worker  # stream: the slot that gets the next new task
+        self.gen = 0  # epoch generation stamped on messages
+        self.record: dict[int, Any] | None = None  # stateful samplers: tid -> indices drawn
+
+    # ---- assignment ----------------------------------------------------------------------
+    def _eligible(self) -> list[WorkerSlot]:
+        slots = self.sup.slots
+        ready = [s for s in slots if s.state == READY_STATE]
+        return ready if ready else [s for s in slots if s.state == STARTING]
+
+    def _least_loaded(self, cap: int | None) -> WorkerSlot | None:
+        best = None
+        for slot in self._eligible():
+            n = len(slot.outstanding)
+            if cap is not None and n >= cap:
+                continue
+            if best is None or n < len(best.outstanding):
+                best = slot
+        return best
+
+    def _send(self, slot: WorkerSlot, task: Task) -> None:
+        task.worker = slot.wid
+        if not slot.outstanding:
+            slot.busy_since = time.monotonic()
+        slot.outstanding.append(task.tid)
+        if slot.alive:
+            self.sup.send(slot, (TASK_MSG, self.gen, task.tid, task.payload))
+
+    def add_owed(self, tid: int, payload: Any) -> None:
+        """A task drawn before a checkpoint and not consumed: send it again (map)."""
+        self.tasks[tid] = Task(tid, payload)
+        heapq.heappush(self.resend, tid)
+
+    def fill(self) -> None:
+        """Send re-sent tasks at once, then new tasks up to the prefetch limits."""
+        tasks = self.tasks
+        while self.resend:
+            slot = self._least_loaded(None)
+            if slot is None:
+                break
+            self._send(slot, tasks[heapq.heappop(self.resend)])
+        if self.iterable:
+            self._fill_stream()
+            return
+        while not self.source_done and len(tasks) + self._backlog() < self.limit:
+            slot = self._least_loaded(self.per_worker)
+            if slot is None:
+                return
+            while True:
+                try:
+                    payload = next(self.source)
+                except StopIteration:
+                    self.source_done = True
+                    return
+                tid = self.send_idx
+                self.send_idx = tid + 1
+                if not self._seen(tid):
+                    break
+            task = Task(tid, payload)
+            tasks[tid] = task
+            if self.record is not None:
+                self.record[tid] = payload
+            self._send(slot, task)
+
+    def _fill_stream(self) -> None:
+        slots = self.sup.slots
+        n = len(slots)
+        while len(self.tasks) + self._backlog() < self.limit:
+            slot = None
+            for step in range(n):
+                cand = slots[(self.cycle + step) % n]
+                if not cand.exhausted:
+                    slot = cand
+                    break
+            if slot is None:
+                self.source_done = True
+                return
+            tid = self.send_idx
+            self.send_idx = tid + 1
+            task = Task(tid, slot.next_k)
+            slot.next_k += 1
+            self.tasks[tid] = task
+            self._send(slot, task)
+            self.cycle = (slot.wid + 1) % n
+
+    # ---- results and deaths --------------------------------------------------------------
+    def on_result(self, slot: WorkerSlot, tid: int) -> Task | None:
+        """The task a result completes, or None for a duplicate/stale result."""
+        task = self.tasks.get(tid)
+        if task is None or task.worker != slot.wid:
+            return None
+        del self.tasks[tid]
+        out = slot.outstanding
+        if out and out[0] == tid:
+            out.popleft()
+        else:
+            out.remove(tid)
+        slot.busy_since = time.monotonic()
+        return task
+
+    def on_death(self, slot: WorkerSlot) -> tuple[Task | None, list[int]]:
+        """Take back a dead slot's tasks; returns (the task it was running, all its tids).
+
+        The task it was running is the lowest id it held (workers run lowest first).
+        """
+        tids = sorted(slot.outstanding)
+        blamed = self.tasks[tids[0]] if tids else None
+        if not self.iterable:
+            slot.outstanding.clear()
+            for tid in tids:
+                self.tasks[tid].worker = -1
+                heapq.heappush(self.resend, tid)
+        return blamed, tids
+
+    def resend_stream(self, slot: WorkerSlot) -> None:
+        """After a stream slot's respawn: send its tasks again, in order."""
+        for tid in sorted(slot.outstanding):
+            self.sup.send(slot, (TASK_MSG, self.gen, tid, self.tasks[tid].payload))
+        slot.busy_since = time.monotonic()
+
+    def drop(self, tid: int) -> Task | None:
+        """Remove a task from the table (it was given up as poison)."""
+        task = self.tasks.pop(tid, None)
+        if task is None:
+            return None
+        if tid in self.resend:
+            self.resend.remove(tid)
+            heapq.heapify(self.resend)
+        for slot in self.sup.slots:
+            if tid in slot.outstanding:
+                slot.outstanding.remove(tid)
+        return task
+
+    def check_invariants(self, released: Any) -> None:
+        seen: dict[int, str] = {}
+        for slot in self.sup.slots:
+            for tid in slot.outstanding:
+                assert tid not in seen, f"task {tid} outstanding twice ({seen[tid]}, {slot})"
+                seen[tid] = repr(slot)
+        for tid in self.resend:
+            assert tid not in seen, f"task {tid} both queued for re-send and outstanding"
+            seen[tid] = "resend"
+        assert set(seen) == set(self.tasks), (
+            f"task table {sorted(self.tasks)} != placed tasks {sorted(seen)}"
+        )
+        for tid in self.tasks:
+            assert not released(tid), f"outstanding task {tid} was already released"

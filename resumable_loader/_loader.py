@@ -1,0 +1,1007 @@
+"""The DataLoader and its iterators: where the stages are wired together.
+
+ sampler / batch_sampler ──► dispatcher ──► task pipe (one per worker) ──► worker process
+  (_sampling: position       (_dispatch: task id = send_idx,               (_worker: per-task
+   is state)                  outstanding: id → indices, worker)            seeded RNG, fetch,
+                                                                            collate)
+                                                                                │
+ user ◄── reorder buffer ◄── pin-memory thread ◄── result pipe (one per worker) ┘
+        (_reorder: releases    (_pin: optional;     (task id, payload | error,
+         id == rcvd, drops      keeps ids)           stream state delta)
+         duplicates)
+
+ supervisor (_supervisor): waits on every result pipe, process sentinel and a SIGCHLD wake-up
+   pipe; on a death or hang: reap, respawn the same worker id with the same seeds, re-send its
+   outstanding tasks; a task that keeps killing workers ends in WorkerCrashError naming it.
+
+With num_workers=0 the same state contract holds, with no processes: the main process fetches
+each task itself, under the same per-task seeds (its own RNG streams saved and restored).
+
+``state_dict()`` describes what the caller consumed -- never what was prefetched -- so a loader
+built the same way and given that state yields exactly the batches the uninterrupted run would
+have yielded next.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import multiprocessing
+import pickle
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import Dataset, Sampler
+
+from . import _state as S
+from ._dispatch import Dispatcher
+from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
+from ._pin import PinStage, pin_memory
+from ._reorder import ReorderBuffer
+from ._sampling import BUILTIN, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
+from ._seeding import (
+    STREAM,
+    TASK,
+    WORKER,
+    GlobalRngGuard,
+    derive_seed,
+    draw_base_seed,
+    seed_global_rngs,
+)
+from ._stats import Counters, LoaderStatistics
+from ._supervisor import Supervisor, WorkerSlot
+from ._worker import (
+    END,
+    EPOCH,
+    ERROR,
+    OK,
+    MapFetcher,
+    StreamEnd,
+    StreamFetcher,
+    WorkerSpec,
+    decode_state,
+    make_retrier,
+    merge_state,
+)
+
+log = logging.getLogger("resumable_loader")
+
+T_co = TypeVar("T_co", covariant=True)
+
+_TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
+
+# Statuses beyond the worker's OK / ERROR / END, made by the main process.
+POISON = 3  # payload: the WorkerCrashError to raise at this task's position
+SKIPPED = 4  # payload: (tid, indices, message); the task is skipped (on_poison="skip")
+
+_SKIP = object()
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry transient errors inside the worker, with exponential backoff (via tenacity).
+
+    A fetch (``__getitem__``/``__getitems__`` + collate for map-style datasets; ``next()`` on a
+    stream iterator that is a class, not a generator) raising one of ``exceptions`` is tried
+    again, up to ``attempts`` times in all, waiting ``backoff_s * 2**n`` (at most
+    ``max_backoff_s``) between tries. The task's RNGs are re-seeded before each try, so a
+    retried batch has the same values as one that succeeded first time. Other exceptions are
+    re-raised in the main process at once, as torch does.
+    """
+
+    exceptions: tuple[type[BaseException], ...] = (OSError, TimeoutError)
+    attempts: int = 3
+    backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("RetryPolicy backoffs must be >= 0")
+        if not self.exceptions or not all(
+            isinstance(e, type) and issubclass(e, BaseException) for e in self.exceptions
+        ):
+            raise ValueError(f"RetryPolicy.exceptions must be exception types, got {self.exceptions!r}")
+
+
+def _encode_plain(state: Any) -> dict[Any, bytes]:
+    if isinstance(state, dict):
+        return {k: pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for k, v in state.items()}
+    return {None: pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)}
+
+
+class _StreamLedger:
+    """Per stream worker, what the caller consumed: batches, exhaustion, dataset state."""
+
+    __slots__ = ("delivered", "exhausted", "state")
+
+    def __init__(self, n: int, rp: S.ResumePoint | None) -> None:
+        self.delivered = [0] * n
+        self.exhausted = [False] * n
+        self.state: list[dict[Any, bytes]] = [{} for _ in range(n)]
+        if rp is not None:
+            for w, wp in enumerate(rp.workers):
+                self.delivered[w] = wp.delivered
+                self.exhausted[w] = wp.exhausted
+                if wp.dataset_state is not None:
+                    self.state[w] = _encode_plain(wp.dataset_state)
+
+    def export(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": w,
+                "delivered": self.delivered[w],
+                "exhausted": self.exhausted[w],
+                "dataset_state": decode_state(self.state[w]) if self.state[w] else None,
+            }
+            for w in range(len(self.delivered))
+        ]
+
+
+def _resume_message(state: dict[Any, bytes], count: int) -> Any:
+    if state:
+        return ("state", state, True)
+    if count:
+        return ("skip", count)
+    return None
+
+
+class _BaseIter:
+    def __init__(self, loader: DataLoader[Any], epoch: int) -> None:
+        self._loader = loader
+        self.epoch = epoch
+        self.finished = False
+        self.closed = False
+        self._plan: IndexPlan = loader._plan
+        self._iterable = self._plan.kind == ITERABLE
+        self._stateful_sampler = self._plan.kind == STATEFUL
+        self._base = loader._base_seed
+        self._counters: Counters = loader._counters
+        self._superseded = False
+
+    def __iter__(self) -> _BaseIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def _check_usable(self) -> None:
+        if self._superseded:
+            raise LoaderClosedError(
+                "this iterator was replaced by a newer iter(loader): with persistent_workers "
+                "one worker pool serves one iterator at a time"
+            )
+        if self.closed:
+            raise LoaderClosedError("this DataLoader iterator was closed")
+
+    def _deliver_skipped(self, payload: Any) -> None:
+        tid, indices, message = payload
+        self._counters.skipped.append([self.epoch, tid, indices])
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def position(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _SingleProcessIter(_BaseIter):
+    """num_workers=0: the main process fetches each task under its task seed."""
+
+    def __init__(self, loader: DataLoader[Any], epoch: int, rp: S.ResumePoint | None) -> None:
+        super().__init__(loader, epoch)
+        plan = self._plan
+        self._pin = loader._pin_fn()
+        self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
+        self._seed = 0
+        self._ahead = set(rp.ahead) if rp else set()
+        self._consumed = rp.consumed if rp else 0
+        self._owed: list[tuple[int, Any]] = []
+        if self._iterable:
+            self._fetcher: Any = StreamFetcher(
+                loader.dataset, loader._auto_collation, loader.collate_fn, loader.batch_size,
+                loader.drop_last,
+            )
+            wp = rp.workers[0] if rp else S.WorkerPosition()
+            resume = None
+            if wp.dataset_state is not None:
+                resume = ("state", wp.dataset_state, False)
+            elif wp.delivered:
+                loader._warn_fast_forward(wp.delivered)
+                resume = ("skip", wp.delivered)
+            base = self._base
+            with GlobalRngGuard():
+                self._fetcher.start(resume, lambda k: derive_seed(STREAM, base, epoch, 0, k))
+            self._k = wp.delivered
+            self._exhausted = wp.exhausted
+            self._tid = self._consumed
+        else:
+            self._fetcher = MapFetcher(loader.dataset, loader._auto_collation, loader.collate_fn)
+            if self._stateful_sampler and rp is not None:
+                self._source = plan.epoch(self._base, epoch, 0, rp.sampler_state)
+                self._owed = sorted(rp.outstanding)
+                self._tid = rp.drawn
+            else:
+                self._source = plan.epoch(self._base, epoch, self._consumed)
+                self._tid = self._consumed
+            self._drawn: dict[int, Any] = dict(self._owed)
+
+    def _next_task(self) -> tuple[int, Any]:
+        if self._owed:
+            return self._owed.pop(0)
+        payload = next(self._source)  # StopIteration ends the epoch
+        tid = self._tid
+        self._tid += 1
+        return tid, payload
+
+    def __next__(self) -> Any:
+        self._check_usable()
+        if self.finished:
+            raise StopIteration
+        if self._iterable:
+            return self._next_stream()
+        while True:
+            try:
+                tid, indices = self._next_task()
+            except StopIteration:
+                self._finish()
+                raise
+            if tid in self._ahead:
+                self._ahead.discard(tid)
+                continue
+            break
+        if self._stateful_sampler:
+            self._drawn[tid] = indices
+        self._seed = derive_seed(TASK, self._base, self.epoch, tid)
+        try:
+            with GlobalRngGuard():
+                seed_global_rngs(self._seed)
+                data, retries = self._run(self._fetcher.fetch, indices)
+        finally:
+            # The batch is consumed whether it loaded or raised (as with torch).
+            self._consume(tid)
+        self._counters.retries += retries
+        self._counters.batches += 1
+        return self._pin(data) if self._pin else data
+
+    def _consume(self, tid: int) -> None:
+        self._drawn.pop(tid, None) if not self._iterable else None
+        if tid == self._consumed:
+            self._consumed += 1
+            while self._consumed in self._ahead:
+                self._ahead.discard(self._consumed)
+                self._consumed += 1
+        else:
+            self._ahead.add(tid)
+
+    def _next_stream(self) -> Any:
+        if self._exhausted:
+            self._finish()
+            raise StopIteration
+        self._seed = derive_seed(STREAM, self._base, self.epoch, 0, self._k)
+        try:
+            with GlobalRngGuard():
+                seed_global_rngs(self._seed)
+                data, retries = self._run(self._fetcher.fetch)
+        except StreamEnd:
+            self._exhausted = True
+            self._finish()
+            raise StopIteration from None
+        except Exception:
+            self._k += 1
+            self._consumed += 1
+            raise
+        self._k += 1
+        self._consumed += 1
+        self._counters.retries += retries
+        self._counters.batches += 1
+        return self._pin(data) if self._pin else data
+
+    def _finish(self) -> None:
+        self.finished = True
+
+    def position(self) -> dict[str, Any]:
+        pos: dict[str, Any] = {
+            S.K_EPOCH: self.epoch,
+            S.K_CONSUMED: self._consumed,
+            S.K_AHEAD: sorted(self._ahead),
+        }
+        if self._stateful_sampler:
+            pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
+            pos[S.K_DRAWN] = self._tid
+            pos[S.K_OUTSTANDING] = [[t, self._drawn[t]] for t in sorted(self._drawn)]
+        if self._iterable:
+            holder = self._fetcher.holder
+            state = copy.deepcopy(holder.state_dict()) if holder is not None else None
+            pos[S.K_WORKERS] = [
+                {"id": 0, "delivered": self._k, "exhausted": self._exhausted, "dataset_state": state}
+            ]
+            pos[S.K_NEXT_WORKER] = 0
+        return pos
+
+
+def _shutdown(sup: Supervisor | None, pin: PinStage | None) -> None:
+    if pin is not None:
+        pin.close()
+    if sup is not None:
+        sup.shutdown()
+
+
+class _MultiProcessIter(_BaseIter):
+    """num_workers>0: the pipeline drawn at the top of this module."""
+
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        epoch: int,
+        rp: S.ResumePoint | None,
+        pool: Supervisor | None,
+    ) -> None:
+        super().__init__(loader, epoch)
+        self._owns_sup = pool is None
+        self._broken: BaseException | None = None
+        self._in_order = loader.in_order
+        self._max_attempts = loader.max_task_attempts
+        self._on_poison = loader.on_poison
+        self._timeout = loader.timeout
+        self._pin: PinStage | None = None
+        sup = pool if pool is not None else loader._make_supervisor(epoch)
+        self._sup = sup
+        self._finalizer = weakref.finalize(self, _shutdown, sup if self._owns_sup else None, None)
+        try:
+            self._setup(loader, rp)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, loader: DataLoader[Any], rp: S.ResumePoint | None) -> None:
+        sup = self._sup
+        if self._owns_sup:
+            sup.start_all()
+        else:
+            for slot in sup.slots:
+                if not slot.alive:
+                    sup.respawn(slot)
+        pin_fn = loader._pin_fn()
+        if pin_fn is not None:
+            self._pin = PinStage(loader._fork_lock, pin_fn)
+            sup.watch_extra(self._pin.wake_fd, "pin")
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, _shutdown, sup if self._owns_sup else None, self._pin
+            )
+        loader._pool_gen += 1
+        gen = loader._pool_gen
+        start = rp.consumed if rp else 0
+        ahead = rp.ahead if rp else frozenset()
+        n = len(sup.slots)
+        next_worker = 0
+        self._ledger: _StreamLedger | None = None
+        if self._iterable:
+            # A stream resumes per worker; task ids restart after what was consumed.
+            self._ledger = _StreamLedger(n, rp)
+            start, ahead = start + len(ahead), frozenset()
+            next_worker = rp.next_worker if rp else 0
+        self._reorder = ReorderBuffer(self._in_order, start, ahead)
+        if self._iterable:
+            source: Any = iter(())
+        elif self._stateful_sampler and rp is not None:
+            source = self._plan.epoch(self._base, self.epoch, 0, rp.sampler_state)
+        else:
+            source = self._plan.epoch(self._base, self.epoch, start)
+        reorder = self._reorder
+        pin = self._pin
+
+        def backlog() -> int:
+            return len(reorder._buf) + (pin.in_flight if pin is not None else 0)
+
+        disp = Dispatcher(
+            sup, self._iterable, loader.prefetch_factor or 0, source, start, reorder.seen,
+            backlog, next_worker,
+        )
+        disp.gen = gen
+        self._disp = disp
+        self._drawn: dict[int, Any] = {}
+        if self._stateful_sampler:
+            disp.record = self._drawn
+            if rp is not None:
+                disp.send_idx = rp.drawn
+                for tid, indices in sorted(rp.outstanding):
+                    if not reorder.seen(tid):
+                        disp.add_owed(tid, indices)
+                        self._drawn[tid] = indices
+        for slot in sup.slots:
+            slot.outstanding.clear()
+            slot.exhausted = False
+            slot.recv_state = {}
+            slot.recv_count = slot.next_k = 0
+            if self._ledger is not None:
+                w = slot.wid
+                slot.exhausted = self._ledger.exhausted[w]
+                slot.recv_state = dict(self._ledger.state[w])
+                slot.recv_count = slot.next_k = self._ledger.delivered[w]
+                if not slot.recv_state and slot.recv_count:
+                    loader._warn_fast_forward(slot.recv_count)
+            self._send_epoch(slot)
+        disp.fill()
+
+    def _send_epoch(self, slot: WorkerSlot) -> None:
+        resume = None
+        if self._iterable:
+            resume = _resume_message(slot.recv_state, slot.recv_count)
+        self._sup.send(slot, (EPOCH, self._disp.gen, self.epoch, self._base, resume))
+
+    # ---- the caller's side ---------------------------------------------------------------
+    def __next__(self) -> Any:
+        self._check_usable()
+        if self._broken is not None:
+            raise self._broken
+        if self.finished:
+            raise StopIteration
+        reorder = self._reorder
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            if reorder.ready():
+                tid, item = reorder.pop()
+                out = self._deliver(tid, item)
+                if out is not _SKIP:
+                    self._counters.batches += 1
+                    return out
+                continue
+            if self._epoch_done():
+                self._finish()
+                raise StopIteration
+            now = time.monotonic()
+            wait = self._sup.next_deadline(now) - now
+            if deadline is not None:
+                if now >= deadline:
+                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                wait = min(wait, deadline - now)
+            self._pump(wait)
+            self._counters.wait_time_s += time.monotonic() - now
+
+    def _deliver(self, tid: int, item: Any) -> Any:
+        status, payload, extra = item
+        if self._stateful_sampler:
+            self._drawn.pop(tid, None)
+        if self._ledger is not None and extra is not None:
+            w, delta = extra
+            if status in (OK, ERROR):
+                self._ledger.delivered[w] += 1
+                merge_state(self._ledger.state[w], delta)
+            elif status in (END, POISON, SKIPPED):
+                self._ledger.exhausted[w] = True
+        if status == OK:
+            return payload
+        if status == ERROR:
+            raise payload.exception()
+        if status == END:
+            return _SKIP
+        if status == SKIPPED:
+            self._deliver_skipped(payload)
+            return _SKIP
+        raise payload  # POISON
+
+    def _epoch_done(self) -> bool:
+        disp = self._disp
+        if not disp.source_done or disp.tasks:
+            return False
+        if self._pin is not None and self._pin.in_flight:
+            return False
+        if self._reorder._buf:
+            raise AssertionError(
+                f"reorder buffer holds {self._reorder.buffered_ids()} but rcvd is "
+                f"{self._reorder.rcvd} and nothing is outstanding"
+            )
+        return True
+
+    def _finish(self) -> None:
+        self.finished = True
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._pin is not None:
+            self._sup.unwatch_extra(self._pin.wake_fd)
+        self._finalizer()
+
+    # ---- the workers' side ---------------------------------------------------------------
+    def _pump(self, timeout: float) -> None:
+        for kind, slot, data in self._sup.poll(timeout):
+            if kind == "msg":
+                self._on_result(slot, data)
+            elif kind == "dead":
+                self._on_dead(slot, data)
+        if self._pin is not None:
+            for tid, item in self._pin.drain():
+                if not self._reorder.put(tid, item):
+                    self._counters.duplicates_dropped += 1
+        self._disp.fill()
+
+    def _on_result(self, slot: WorkerSlot, msg: Any) -> None:
+        _, gen, tid, status, payload, delta, retries = msg
+        if gen != self._disp.gen:
+            return  # from an epoch abandoned with persistent workers
+        task = self._disp.on_result(slot, tid)
+        if task is None:
+            self._counters.duplicates_dropped += 1
+            return
+        self._counters.retries += retries
+        if self._iterable:
+            if status == END:
+                slot.exhausted = True
+            else:
+                slot.recv_count += 1
+                merge_state(slot.recv_state, delta)
+        item = (status, payload, (slot.wid, delta) if self._iterable else None)
+        if status == OK and self._pin is not None:
+            self._pin.submit(tid, item)
+        elif not self._reorder.put(tid, item):
+            self._counters.duplicates_dropped += 1
+
+    def _describe(self, task: Any) -> str:
+        if self._iterable:
+            return f"stream batch {task.payload} of worker {task.worker} (task {task.tid})"
+        return f"samples {task.payload} (task {task.tid})"
+
+    def _on_dead(self, slot: WorkerSlot, info: Any) -> None:
+        pid, _exitcode, cause, key, was_ready = info
+        sup = self._sup
+        disp = self._disp
+        blamed, tids = disp.on_death(slot)
+        what = f" while loading {self._describe(blamed)}" if blamed is not None else ""
+        line = f"worker {slot.wid} (pid {pid}) {cause}{what}"
+        log.warning("DataLoader %s", line)
+        if not was_ready:
+            slot.start_failures += 1
+        if blamed is not None:
+            blamed.failures.append(line)
+            if len(blamed.failures) >= self._max_attempts:
+                self._poison(slot, blamed)
+        if slot.start_failures >= self._max_attempts:
+            err = WorkerCrashError(
+                f"DataLoader worker {slot.wid} failed to start {slot.start_failures} times in a "
+                f"row (last: pid {pid} {cause}). Fix worker_init_fn or the worker environment; "
+                "the loader's state_dict() still describes what was consumed.",
+                attempts=(line,),
+            )
+            cause_exc = slot.init_error.exception() if slot.init_error is not None else None
+            self._break(err, cause_exc)
+        try:
+            sup.respawn(slot)
+        except WorkerCrashError as err:
+            self._break(err, None)
+        self._counters.respawns_by_cause[key] += 1
+        self._send_epoch(slot)
+        if self._iterable:
+            disp.resend_stream(slot)
+        live = [t for t in tids if t in disp.tasks]
+        self._counters.resent_tasks += len(live)
+        if live:
+            samples = [disp.tasks[t].payload for t in live]
+            log.info(
+                "DataLoader worker %d: pid %d -> %d (%s); re-sending tasks %s (%s %s)",
+                slot.wid, pid, slot.pid, key, live,
+                "fetches" if self._iterable else "samples", samples,
+            )
+        else:
+            log.info("DataLoader worker %d: pid %d -> %d (%s)", slot.wid, pid, slot.pid, key)
+
+    def _poison(self, slot: WorkerSlot, task: Any) -> None:
+        attempts = tuple(task.failures)
+        indices = task.payload
+        message = (
+            f"DataLoader gave up on {self._describe(task)} of epoch {self.epoch}: it killed the "
+            f"worker {len(attempts)} times (max_task_attempts={self._max_attempts}):\n  "
+            + "\n  ".join(attempts)
+            + "\nThe sample probably crashes its decoder or exhausts memory: remove or repair it, "
+            "or build the loader with on_poison='skip' to skip such tasks."
+        )
+        disp = self._disp
+        disp.drop(task.tid)
+        extra = (slot.wid, None) if self._iterable else None
+        if self._iterable:
+            # The worker's stream cannot get past this batch: its shard ends here this epoch.
+            slot.exhausted = True
+            for tid in list(slot.outstanding):
+                disp.drop(tid)
+                self._reorder.put(tid, (END, None, extra))
+        if self._on_poison == "skip":
+            item: Any = (SKIPPED, (task.tid, indices, message + " (skipped)"), extra)
+        else:
+            item = (
+                POISON,
+                WorkerCrashError(message, task_id=task.tid, indices=indices, attempts=attempts),
+                extra,
+            )
+        self._reorder.put(task.tid, item)
+
+    def _break(self, err: BaseException, cause: BaseException | None) -> None:
+        if cause is not None:
+            err.__cause__ = cause
+        self._broken = err
+        self.close()
+        if not self._owns_sup:
+            self._loader._drop_pool()
+        raise err
+
+    # ---- state ---------------------------------------------------------------------------
+    def position(self) -> dict[str, Any]:
+        reorder = self._reorder
+        pos: dict[str, Any] = {
+            S.K_EPOCH: self.epoch,
+            S.K_CONSUMED: reorder.rcvd,
+            S.K_AHEAD: sorted(reorder._ahead),
+        }
+        if self._stateful_sampler:
+            pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
+            pos[S.K_DRAWN] = self._disp.send_idx
+            pos[S.K_OUTSTANDING] = [[t, self._drawn[t]] for t in sorted(self._drawn)]
+        if self._ledger is not None:
+            pos[S.K_AHEAD] = []
+            pos[S.K_WORKERS] = self._ledger.export()
+            pos[S.K_NEXT_WORKER] = self._next_stream_worker()
+        return pos
+
+    def _next_stream_worker(self) -> int:
+        """The worker whose batch the caller gets next (round-robin continues from it)."""
+        best_tid, best_w = None, self._disp.cycle
+        for tid, task in self._disp.tasks.items():
+            if best_tid is None or tid < best_tid:
+                best_tid, best_w = tid, task.worker
+        for tid, item in self._reorder._buf.items():
+            if (best_tid is None or tid < best_tid) and item[2] is not None:
+                best_tid, best_w = tid, item[2][0]
+        return best_w
+
+    def check_invariants(self) -> None:
+        self._reorder.check_invariants()
+        r = self._reorder
+        self._disp.check_invariants(lambda t: t < r.rcvd or t in r._ahead)
+
+
+class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
+    """A drop-in ``torch.utils.data.DataLoader`` with exact checkpoint/resume and
+    self-healing workers.
+
+    All of torch's arguments keep torch's meaning, defaults and validation errors. Added
+    (keyword-only):
+
+    Args:
+        task_timeout: seconds a single task may run in a worker before the worker is declared
+            hung, killed and replaced (its tasks re-sent). ``None`` (default): never. torch's
+            ``timeout`` keeps its meaning (raise when no batch arrives in time).
+        max_task_attempts: a task whose worker dies (or hangs) this many times is a poison
+            task; see ``on_poison``. Also the number of consecutive failed starts of a worker
+            after which the loader gives up.
+        on_poison: ``"raise"`` (default): raise ``WorkerCrashError`` naming the samples at
+            that batch's position (the iterator stays usable); ``"skip"``: skip the batch with a
+            ``RuntimeWarning``, and record it in ``state_dict()["skipped"]`` and
+            ``statistics().skipped_tasks``.
+        retry: a ``RetryPolicy`` to retry transient errors inside workers, or None.
+
+    Methods beyond torch's: ``state_dict()``, ``load_state_dict()``, ``statistics()``,
+    ``close()`` and context-manager use.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler[Any] | Iterable[Any] | None = None,
+        batch_sampler: Sampler[list[Any]] | Iterable[list[Any]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        task_timeout: float | None = None,
+        max_task_attempts: int = 3,
+        on_poison: str = "raise",
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            **extra,
+        )
+        if not _TORCH_HAS_IN_ORDER:
+            self.in_order = in_order
+        if task_timeout is not None and not task_timeout > 0:
+            raise ValueError(f"task_timeout must be a positive number of seconds or None, got {task_timeout!r}")
+        if type(max_task_attempts) is not int or max_task_attempts < 1:
+            raise ValueError(f"max_task_attempts must be an int >= 1, got {max_task_attempts!r}")
+        if on_poison not in ("raise", "skip"):
+            raise ValueError(f"on_poison must be 'raise' or 'skip', got {on_poison!r}")
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a resumable_loader.RetryPolicy or None, got {retry!r}")
+        self.task_timeout = task_timeout
+        self.max_task_attempts = max_task_attempts
+        self.on_poison = on_poison
+        self.retry = retry
+        self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)
+        self._counters = Counters()
+        self._base_seed: int | None = None
+        self._next_epoch = 0
+        self._resume: S.ResumePoint | None = None
+        self._active: Callable[[], _BaseIter | None] = lambda: None
+        self._pool: Supervisor | None = None
+        self._pool_finalizer: Any = None
+        self._pool_gen = 0
+        self._fork_lock = threading.Lock()
+        self._config_cache: dict[str, Any] | None = None
+        self._closed = False
+        self._warned_ff = False
+        self._force_pin_fn: Callable[[Any], Any] | None = None  # tests: pin without a GPU
+
+    # ---- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> Any:
+        if self._closed:
+            raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
+        base = self._ensure_seed()
+        rp, self._resume = self._resume, None
+        epoch = rp.epoch if rp is not None else self._next_epoch
+        self._next_epoch = epoch + 1
+        old = self._active()
+        if old is not None and self.persistent_workers and not old.finished:
+            old._superseded = True
+            old.close()
+        del base
+        it: _BaseIter
+        if self.num_workers == 0:
+            it = _SingleProcessIter(self, epoch, rp)
+        elif self.persistent_workers:
+            if self._pool is None or self._pool.closed:
+                self._pool = self._make_supervisor(epoch)
+                self._pool.start_all()
+                self._pool_finalizer = weakref.finalize(self, self._pool.shutdown)
+            it = _MultiProcessIter(self, epoch, rp, self._pool)
+        else:
+            it = _MultiProcessIter(self, epoch, rp, None)
+        self._active = weakref.ref(it)
+        return it
+
+    def _ensure_seed(self) -> int:
+        if self._base_seed is None:
+            gen = self.generator
+            inner = getattr(self.sampler, "generator", None)
+            if gen is None and type(self.sampler) is torch.utils.data.RandomSampler:
+                gen = inner
+            self._base_seed = draw_base_seed(gen)
+        return self._base_seed
+
+    def _pin_fn(self) -> Callable[[Any], Any] | None:
+        if self._force_pin_fn is not None:
+            return self._force_pin_fn
+        if not self.pin_memory:
+            return None
+        if self.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as the "
+                f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
+                stacklevel=3,
+            )
+        acc = getattr(torch, "accelerator", None)
+        available = acc.is_available() if acc is not None else torch.cuda.is_available()
+        if not available:
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, then device "
+                "pinned memory won't be used.",
+                stacklevel=3,
+            )
+            return None
+        return pin_memory
+
+    def _make_supervisor(self, epoch: int) -> Supervisor:
+        base = self._ensure_seed()
+        # Persistent workers live across epochs: their seed cannot depend on the epoch.
+        seed_epoch = -1 if self.persistent_workers else epoch
+        iterable = self._plan.kind == ITERABLE
+
+        def make_spec(wid: int) -> WorkerSpec:
+            return WorkerSpec(
+                worker_id=wid,
+                num_workers=self.num_workers,
+                dataset=self.dataset,
+                iterable=iterable,
+                auto_collation=self._auto_collation,
+                collate_fn=self.collate_fn,
+                batch_size=self.batch_size,
+                drop_last=self.drop_last,
+                worker_seed=derive_seed(WORKER, base, seed_epoch, wid),
+                base_seed=base,
+                init_fn=self.worker_init_fn,
+                retry=self.retry,
+            )
+
+        return Supervisor(
+            self.multiprocessing_context or multiprocessing.get_context(),
+            make_spec,
+            self.num_workers,
+            self.task_timeout,
+            self._fork_lock,
+            self._counters,
+        )
+
+    def _drop_pool(self) -> None:
+        if self._pool_finalizer is not None:
+            self._pool_finalizer()
+        self._pool = None
+        self._pool_finalizer = None
+
+    def _warn_fast_forward(self, n: int) -> None:
+        if self._warned_ff:
+            return
+        self._warned_ff = True
+        warnings.warn(
+            f"resuming an iterable dataset without state_dict()/load_state_dict(): the stream is "
+            f"fast-forwarded by re-reading {n} batches inside the worker(s) (O(consumed)). "
+            "Implement state_dict() and load_state_dict() on the dataset (or its iterator) to "
+            "resume in O(1).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    # ---- state ---------------------------------------------------------------------------
+    @property
+    def _config(self) -> dict[str, Any]:
+        if self._config_cache is None:
+            try:
+                n = len(self.dataset)  # type: ignore[arg-type]
+            except TypeError:
+                n = None
+            ws, rank = 1, 0
+            dist = torch.distributed
+            if dist.is_available() and dist.is_initialized():
+                ws, rank = dist.get_world_size(), dist.get_rank()
+            self._config_cache = {
+                "dataset_kind": "iterable" if self._plan.kind == ITERABLE else "map",
+                "dataset_len": n,
+                "batch_size": self.batch_size,
+                "drop_last": self.drop_last,
+                "sampler": self._plan.description,
+                "num_workers": self.num_workers,
+                "world_size": ws,
+                "rank": rank,
+            }
+        return self._config_cache
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of what the caller has consumed, as plain data.
+
+        Valid at any moment between batches. Loading it into a loader built the same way makes
+        that loader yield exactly the batches this one would have yielded next. Save it with
+        ``torch.save`` (``weights_only=True`` loads it), json, or ``dump_state``.
+        """
+        it = self._active()
+        if it is not None and not it.finished and not it._superseded:
+            pos = it.position()
+        elif self._resume is not None and self._resume.source is not None:
+            return copy.deepcopy(self._resume.source)
+        else:
+            pos = {S.K_EPOCH: self._next_epoch, S.K_CONSUMED: 0, S.K_AHEAD: []}
+            if self._plan.kind == STATEFUL:
+                pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
+                pos[S.K_DRAWN] = 0
+                pos[S.K_OUTSTANDING] = []
+            if self._plan.kind == ITERABLE:
+                pos[S.K_WORKERS] = [
+                    {"id": w, "delivered": 0, "exhausted": False, "dataset_state": None}
+                    for w in range(max(1, self.num_workers))
+                ]
+                pos[S.K_NEXT_WORKER] = 0
+        sd = {
+            S.K_FORMAT: S.FORMAT,
+            S.K_VERSION: S.VERSION,
+            S.K_CONFIG: dict(self._config),
+            S.K_SEED: self._ensure_seed(),
+            S.K_SKIPPED: [list(x) for x in self._counters.skipped],
+        }
+        sd.update(pos)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` at the next ``iter(loader)``.
+
+        Raises:
+            CheckpointError: the state is malformed, from another version, or from another
+                configuration (the message names the field, both values and the fix). The
+                loader is then left exactly as it was.
+        """
+        rp = S.parse_state(state_dict, self._config, self._plan.kind == STATEFUL)
+        if self._plan.kind in (BUILTIN, FASTFORWARD):
+            try:
+                total = len(self)
+            except TypeError:
+                total = None
+            if total is not None and rp.consumed + len(rp.ahead) > total:
+                raise CheckpointError(
+                    f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
+                    f"batches consumed, but an epoch of this loader has only {total}. Build the "
+                    "loader with the dataset and batch size of the checkpoint."
+                )
+        rp.source = copy.deepcopy(state_dict)
+        old = self._active()
+        if old is not None:
+            old._superseded = True
+            old.close()
+        if self._pool is not None and self._base_seed != rp.seed:
+            self._drop_pool()  # its workers were seeded from the old base seed
+        self._base_seed = rp.seed
+        self._resume = rp
+        self._next_epoch = rp.epoch
+        self._counters.skipped = [list(x) for x in rp.skipped]
+
+    def statistics(self) -> LoaderStatistics:
+        """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits."""
+        alive = 0
+        it = self._active()
+        sups = []
+        if self._pool is not None:
+            sups.append(self._pool)
+        elif isinstance(it, _MultiProcessIter) and not it.closed:
+            sups.append(it._sup)
+        for sup in sups:
+            alive += sum(1 for s in sup.slots if s.alive)
+        return self._counters.snapshot(alive)
+
+    def check_invariants(self) -> None:
+        """Assert the pipeline's invariants (for tests): reorder buffer and task table."""
+        it = self._active()
+        if isinstance(it, _MultiProcessIter) and not it.closed:
+            it.check_invariants()
+
+    # ---- teardown ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop all worker processes and threads now. The loader cannot be iterated again."""
+        self._closed = True
+        it = self._active()
+        if it is not None:
+            it.close()
+        self._drop_pool()
+
+    def __enter__(self) -> DataLoader[T_co]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["DataLoader", "RetryPolicy"]
+

@@ -1,0 +1,77 @@
+"""Seed derivation: every random draw the loader makes is a pure function of the base seed.
+
+The base seed is drawn once per loader (from ``generator`` or torch's global RNG, at the first
+``iter()``), stored in the state, and every other seed is derived from it by hashing:
+
+* the shuffle of epoch ``e``:               derive(SAMPLER, base, e)
+* worker ``w``'s process seed (started in epoch ``e``): derive(WORKER, base, e, w)
+* a map-style task (batch ``t`` of epoch ``e``):        derive(TASK, base, e, t)
+* the ``k``-th fetch of stream worker ``w`` in ``e``:   derive(STREAM, base, e, w, k)
+
+Before each task, python ``random``, numpy's global RNG and torch's CPU generator are seeded with
+the task seed, so a batch's random augmentations depend only on which batch it is -- not on
+which worker ran it, whether that worker was respawned, or how many workers there are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+
+import numpy as np
+import torch
+
+SAMPLER = 1
+WORKER = 2
+TASK = 3
+STREAM = 4
+
+_MASK64 = (1 << 64) - 1
+_PERSON = b"resumable-loader"  # domain separation from any other blake2b use
+
+
+def derive_seed(domain: int, *parts: int) -> int:
+    """A 63-bit seed from ``domain`` and ``parts`` (a keyed hash: no structure survives)."""
+    packed = struct.pack(f"<{len(parts) + 1}Q", domain, *(p & _MASK64 for p in parts))
+    digest = hashlib.blake2b(packed, digest_size=8, person=_PERSON).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def seed_global_rngs(seed: int) -> None:
+    """Seed python ``random``, numpy's global RNG and torch's CPU generator with ``seed``.
+
+    Only the CPU generator: seeding CUDA from a data worker would initialise CUDA there.
+    """
+    random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
+    torch.random.default_generator.manual_seed(seed)
+
+
+class GlobalRngGuard:
+    """Saves and restores the three global RNGs around in-process (num_workers=0) fetches.
+
+    Data loading in the main process must not disturb the user's own random streams (dropout,
+    their sampling); torch's loader lets them interleave, we keep them apart. Costs ~100 us per
+    batch (numpy's state copy dominates).
+    """
+
+    __slots__ = ("_np", "_py", "_torch")
+
+    def __enter__(self) -> GlobalRngGuard:
+        self._py = random.getstate()
+        self._np = np.random.get_state()
+        self._torch = torch.random.default_generator.get_state()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        random.setstate(self._py)
+        np.random.set_state(self._np)
+        torch.random.default_generator.set_state(self._torch)
+
+
+def draw_base_seed(generator: torch.Generator | None) -> int:
+    """Draw a fresh 63-bit base seed from ``generator`` or torch's global RNG (like torch does)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & (
+        (1 << 63) - 1
+    )

@@ -1,0 +1,170 @@
+"""The loader's checkpoint: what the user consumed, as plain data, and its validation.
+
+A state is a dict of plain data (None/bool/int/float/str/bytes/list/dict with str keys): it
+survives ``torch.save`` + ``torch.load(weights_only=True)``, json (when the dataset's own state
+is json-able) and msgpack (``dump_state``). Keys:
+
+    format, version       what this is; refused if unknown
+    config                the configuration the state is valid for (refused on mismatch)
+    seed                  the base seed every other seed derives from
+    epoch                 the epoch to continue (or start)
+    consumed              batches of that epoch the user has consumed, in order
+    delivered_ahead       task ids > consumed already delivered (in_order=False)
+    sampler_state, drawn, outstanding
+                          stateful user samplers only: the sampler's own state (as of ``drawn``
+                          batches), and the indices of drawn batches not yet consumed
+    workers, next_worker  iterable datasets only: per worker {id, delivered, exhausted,
+                          dataset_state}; the worker whose batch comes next
+    skipped               poison tasks skipped so far: [epoch, task id, indices]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import CheckpointError
+
+FORMAT = "resumable_loader.DataLoader"
+VERSION = 1
+
+K_FORMAT = "format"
+K_VERSION = "version"
+K_CONFIG = "config"
+K_SEED = "seed"
+K_EPOCH = "epoch"
+K_CONSUMED = "consumed"
+K_AHEAD = "delivered_ahead"
+K_SAMPLER_STATE = "sampler_state"
+K_DRAWN = "drawn"
+K_OUTSTANDING = "outstanding"
+K_WORKERS = "workers"
+K_NEXT_WORKER = "next_worker"
+K_SKIPPED = "skipped"
+
+# Config fields that must match for a state to be loaded; num_workers only for streams (a
+# map-style batch does not depend on which worker loads it; a stream's shards do).
+MUST_MATCH = ("dataset_kind", "dataset_len", "batch_size", "drop_last", "sampler", "world_size", "rank")
+
+_FIX = {
+    "dataset_kind": "load the state into a loader over the same kind of dataset",
+    "dataset_len": "the dataset changed size since the checkpoint; resume with the same data, or "
+    "start a fresh epoch without load_state_dict()",
+    "batch_size": "build the loader with the batch_size the checkpoint was taken with",
+    "drop_last": "build the loader with the drop_last the checkpoint was taken with",
+    "sampler": "build the loader with the same sampler / shuffle setting as the checkpoint",
+    "world_size": "resume with the same number of distributed ranks",
+    "rank": "load each rank's own state (save per rank, e.g. under torch.distributed.checkpoint)",
+    "num_workers": "an iterable dataset is sharded per worker, so a stream checkpoint can only "
+    "resume with the same num_workers",
+}
+
+
+@dataclass
+class WorkerPosition:
+    delivered: int = 0
+    exhausted: bool = False
+    dataset_state: Any = None
+
+
+@dataclass
+class ResumePoint:
+    """A validated state, ready to be applied at the next ``iter()``."""
+
+    seed: int
+    epoch: int
+    consumed: int = 0
+    ahead: frozenset[int] = frozenset()
+    sampler_state: Any = None
+    drawn: int = 0
+    outstanding: list[tuple[int, Any]] = field(default_factory=list)
+    workers: list[WorkerPosition] = field(default_factory=list)
+    next_worker: int = 0
+    skipped: list[Any] = field(default_factory=list)
+    source: dict[str, Any] | None = None  # the state it came from, for state_dict()
+
+
+def _fail(field_name: str, problem: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"cannot load DataLoader state: {field_name}: {problem}. {fix}.")
+
+
+def _int(sd: dict[str, Any], key: str, *, minimum: int = 0) -> int:
+    v = sd.get(key)
+    if type(v) is not int or v < minimum:
+        raise _fail(key, f"expected an int >= {minimum}, got {v!r}", "the state is damaged")
+    return v
+
+
+def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> ResumePoint:
+    """Validate ``sd`` against this loader's ``config``; raise CheckpointError naming the field.
+
+    Pure: reads ``sd`` only, changes nothing.
+    """
+    if not isinstance(sd, dict):
+        raise CheckpointError(
+            f"cannot load DataLoader state: expected a dict, got {type(sd).__name__}. Pass the "
+            "object returned by loader.state_dict() (or resumable_loader.load_state(bytes))."
+        )
+    if sd.get(K_FORMAT) != FORMAT:
+        raise _fail(
+            K_FORMAT,
+            f"expected {FORMAT!r}, got {sd.get(K_FORMAT)!r}",
+            "this is not a resumable_loader DataLoader state (a model or optimizer state?)",
+        )
+    version = sd.get(K_VERSION)
+    if version != VERSION:
+        raise _fail(
+            K_VERSION,
+            f"this library reads version {VERSION}, the state is version {version!r}",
+            "load it with the resumable_loader release that wrote it",
+        )
+    cfg = sd.get(K_CONFIG)
+    if not isinstance(cfg, dict):
+        raise _fail(K_CONFIG, f"expected a dict, got {type(cfg).__name__}", "the state is damaged")
+    fields = list(MUST_MATCH)
+    if config["dataset_kind"] == "iterable":
+        fields.append("num_workers")
+    for name in fields:
+        if cfg.get(name) != config[name]:
+            raise _fail(
+                f"config.{name}",
+                f"the checkpoint has {cfg.get(name)!r}, this loader has {config[name]!r}",
+                _FIX[name],
+            )
+    rp = ResumePoint(seed=_int(sd, K_SEED), epoch=_int(sd, K_EPOCH), source=sd)
+    rp.consumed = _int(sd, K_CONSUMED)
+    ahead = sd.get(K_AHEAD, [])
+    if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
+        raise _fail(K_AHEAD, f"expected ids > consumed ({rp.consumed}), got {ahead!r}", "the state is damaged")
+    rp.ahead = frozenset(ahead)
+    if stateful_sampler:
+        rp.sampler_state = sd.get(K_SAMPLER_STATE)
+        rp.drawn = _int(sd, K_DRAWN)
+        out = sd.get(K_OUTSTANDING, [])
+        if not isinstance(out, list) or not all(
+            isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] < rp.drawn for x in out
+        ):
+            raise _fail(K_OUTSTANDING, f"expected [[task id < drawn, indices], ...], got {out!r}", "the state is damaged")
+        rp.outstanding = [(t, idx) for t, idx in out]
+    if config["dataset_kind"] == "iterable":
+        workers = sd.get(K_WORKERS)
+        n = max(1, config["num_workers"])
+        if not isinstance(workers, list) or len(workers) != n:
+            raise _fail(K_WORKERS, f"expected {n} worker entries, got {workers!r:.200}", "the state is damaged")
+        for i, w in enumerate(workers):
+            if (
+                not isinstance(w, dict)
+                or type(w.get("delivered")) is not int
+                or w["delivered"] < 0
+                or type(w.get("exhausted")) is not bool
+            ):
+                raise _fail(f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged")
+            rp.workers.append(WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state")))
+        rp.next_worker = _int(sd, K_NEXT_WORKER)
+        if rp.next_worker >= n:
+            raise _fail(K_NEXT_WORKER, f"{rp.next_worker} is not a worker id below {n}", "the state is damaged")
+    skipped = sd.get(K_SKIPPED, [])
+    if not isinstance(skipped, list):
+        raise _fail(K_SKIPPED, f"expected a list, got {type(skipped).__name__}", "the state is damaged")
+    rp.skipped = list(skipped)
+    return rp

@@ -1,0 +1,65 @@
+"""Counters kept by a loader and the frozen snapshot ``DataLoader.statistics()`` returns."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoaderStatistics:
+    """A snapshot of a loader's counters since it was built (all epochs).
+
+    Attributes:
+        batches: batches delivered to the caller.
+        respawns: workers replaced after a death or hang.
+        respawns_by_cause: respawns keyed by cause: ``"signal:SIGKILL"``, ``"exit:1"``,
+            ``"hang"``, ``"init_error"``, ``"recv_error"``.
+        retries: transient-error retries made inside workers (see ``RetryPolicy``).
+        resent_tasks: tasks sent again because the worker holding them died.
+        duplicates_dropped: results that arrived twice and were dropped.
+        skipped_tasks: poison tasks skipped under ``on_poison="skip"``, as
+            ``(epoch, task id, sample indices)``.
+        wait_time_s: time the caller spent blocked waiting for data.
+        workers_alive: worker processes running now.
+    """
+
+    batches: int = 0
+    respawns: int = 0
+    respawns_by_cause: MappingProxyType[str, int] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    retries: int = 0
+    resent_tasks: int = 0
+    duplicates_dropped: int = 0
+    skipped_tasks: tuple[tuple[int, int, Any], ...] = ()
+    wait_time_s: float = 0.0
+    workers_alive: int = 0
+
+
+class Counters:
+    """The mutable counters behind ``LoaderStatistics`` (main process only)."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.respawns_by_cause: collections.Counter[str] = collections.Counter()
+        self.retries = 0
+        self.resent_tasks = 0
+        self.duplicates_dropped = 0
+        self.skipped: list[list[Any]] = []  # [epoch, tid, indices]: also saved in the state
+        self.wait_time_s = 0.0
+
+    def snapshot(self, workers_alive: int) -> LoaderStatistics:
+        return LoaderStatistics(
+            batches=self.batches,
+            respawns=sum(self.respawns_by_cause.values()),
+            respawns_by_cause=MappingProxyType(dict(self.respawns_by_cause)),
+            retries=self.retries,
+            resent_tasks=self.resent_tasks,
+            duplicates_dropped=self.duplicates_dropped,
+            skipped_tasks=tuple((e, t, i) for e, t, i in self.skipped),
+            wait_time_s=self.wait_time_s,
+            workers_alive=workers_alive,
+        )

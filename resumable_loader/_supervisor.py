@@ -1,0 +1,487 @@
+"""The supervisor: starts, watches, replaces and stops the worker processes.
+
+    dispatcher ──TASK──► slot.task_conn ─► worker process ─► slot.result_conn ──► poll() ──► iterator
+                                                 │ dies / hangs
+    poll() waits on ─ every result pipe          ▼
+                    ─ every process sentinel     "dead" event ─► iterator re-sends the slot's
+                    ─ a SIGCHLD wake-up pipe                     outstanding tasks, respawn()
+                    ─ (timeout) liveness polling + task_timeout
+
+Detection is by waiting, not guessing: a sentinel becomes readable when the process exits; a
+SIGCHLD handler (installed from the main thread, chained to any earlier handler) writes to the
+wake-up pipe so a death is seen even while the user is busy; and every POLL_INTERVAL_S the slots
+are checked with ``is_alive()`` for what the others miss (a grandchild holding the sentinel
+open). A timeout alone never declares a worker dead: only ``task_timeout`` does, and then the
+worker is killed first, so "dead" is always a fact.
+
+Slot states (one object per worker id, kept across respawns):
+    STARTING ──READY msg──► READY ──death/hang──► DEAD ──respawn()──► STARTING
+    any ──shutdown()──► STOPPED
+Invariants: a slot in STARTING/READY has a live process and registered fds; a DEAD or STOPPED
+slot has neither; ``outstanding`` lists the task ids sent to the slot and not yet received, in
+send order.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import os
+import select
+import signal
+import threading
+import time
+from typing import Any
+
+from ._errors import WorkerCrashError
+from ._worker import INIT_ERROR, READY, WorkerSpec, worker_main
+
+log = logging.getLogger("resumable_loader")
+
+STARTING = "starting"
+READY_STATE = "ready"
+DEAD = "dead"
+STOPPED = "stopped"
+
+# Liveness polling catches deaths that the sentinel misses (a worker's own child keeps the
+# sentinel pipe open). Half a second bounds that rare delay without costing anything visible.
+POLL_INTERVAL_S = 0.5
+# On shutdown, idle workers exit at once on STOP; a worker busy in user code gets this long to
+# finish its batch before it is killed (its result would be thrown away anyway).
+SHUTDOWN_GRACE_S = 1.0
+# A worker that does not exit within this after SIGKILL is stuck in the kernel (D state);
+# give up waiting rather than hang the caller.
+KILL_JOIN_S = 5.0
+# Respawn-storm guard: more respawns than this within STORM_WINDOW_S is not a flaky worker but
+# a broken setup (e.g. every worker OOM-killed at start); raise instead of looping.
+STORM_WINDOW_S = 60.0
+STORM_MIN_RESPAWNS = 20
+
+# fds that the main process holds for all live supervisors; fork children close them.
+_registry_lock = threading.Lock()
+_MAIN_FDS: set[int] = set()
+
+
+def _register_fds(*fds: int) -> None:
+    with _registry_lock:
+        _MAIN_FDS.update(fds)
+
+
+def _unregister_fds(*fds: int) -> None:
+    with _registry_lock:
+        _MAIN_FDS.difference_update(fds)
+
+
+class _ChildSignal:
+    """The process-wide SIGCHLD hook shared by all supervisors."""
+
+    lock = threading.Lock()
+    wake_fds: set[int] = set()
+    previous: Any = None
+    installed = False
+
+    @classmethod
+    def _handler(cls, signum: int, frame: Any) -> None:
+        for fd in tuple(cls.wake_fds):
+            try:
+                os.write(fd, b"c")
+            except OSError:
+                pass  # full (a wake-up is pending) or closed by a concurrent shutdown
+        prev = cls.previous
+        if callable(prev):
+            prev(signum, frame)
+
+    @classmethod
+    def add(cls, fd: int) -> None:
+        with cls.lock:
+            cls.wake_fds.add(fd)
+            if cls.installed or threading.current_thread() is not threading.main_thread():
+                return  # off the main thread, sentinels and polling do the work
+            try:
+                cls.previous = signal.signal(signal.SIGCHLD, cls._handler)
+                cls.installed = True
+            except (ValueError, OSError):
+                pass
+
+    @classmethod
+    def remove(cls, fd: int) -> None:
+        with cls.lock:
+            cls.wake_fds.discard(fd)
+            if not cls.installed or cls.wake_fds:
+                return
+            if threading.current_thread() is not threading.main_thread():
+                return
+            try:
+                if signal.getsignal(signal.SIGCHLD) == cls._handler:
+                    prev = cls.previous
+                    signal.signal(signal.SIGCHLD, prev if prev is not None else signal.SIG_DFL)
+                cls.installed = False
+                cls.previous = None
+            except (ValueError, OSError):
+                pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "did not exit"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"was killed by {name}"
+    return f"exited with code {exitcode}"
+
+
+def exit_cause(exitcode: int | None) -> str:
+    """A short key for statistics: 'signal:SIGKILL', 'exit:1', ..."""
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        try:
+            return f"signal:{signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal:{-exitcode}"
+    return f"exit:{exitcode}"
+
+
+class WorkerSlot:
+    """One worker id; its process changes on respawn, the slot stays."""
+
+    def __init__(self, wid: int) -> None:
+        self.wid = wid
+        self.state = DEAD
+        self.proc: Any = None
+        self.pid = -1
+        self.task_conn: Any = None
+        self.result_conn: Any = None
+        self.outstanding: collections.deque[int] = collections.deque()
+        self.busy_since = 0.0
+        self.start_failures = 0
+        self.init_error: Any = None
+        self.generation = 0  # counts (re)spawns of this slot
+        # Stream bookkeeping (iterable datasets), per epoch:
+        self.exhausted = False  # an END was received from this slot
+        self.recv_state: dict[Any, bytes] = {}
+        self.recv_count = 0  # fetches received
+        self.next_k = 0  # fetch number of the next new task
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (STARTING, READY_STATE)
+
+    def __repr__(self) -> str:
+        return f"<worker {self.wid} pid={self.pid} {self.state} outstanding={list(self.outstanding)}>"
+
+
+class Supervisor:
+    """Owns the worker processes of one loader (or of one epoch, without persistent workers).
+
+    Args:
+        ctx: the multiprocessing context.
+        make_spec: ``wid -> WorkerSpec``.
+        num_workers: how many worker slots.
+        task_timeout: seconds a task may run before its worker is declared hung, or None.
+        fork_lock: held by the pin thread while pinning; taken here around every start.
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        make_spec: Any,
+        num_workers: int,
+        task_timeout: float | None,
+        fork_lock: threading.Lock,
+        counters: Any,
+    ) -> None:
+        self.ctx = ctx if ctx is not None else multiprocessing.get_context()
+        self._is_fork = self.ctx.get_start_method() == "fork"
+        self.make_spec = make_spec
+        self.slots = [WorkerSlot(w) for w in range(num_workers)]
+        self.task_timeout = task_timeout
+        self.fork_lock = fork_lock
+        self.counters = counters
+        self._poller = select.poll()
+        self._fds: dict[int, tuple[str, WorkerSlot | None]] = {}
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        _register_fds(self._wake_r, self._wake_w)
+        self._watch(self._wake_r, "wake", None)
+        _ChildSignal.add(self._wake_w)
+        self._extra_fds: dict[int, str] = {}
+        self._last_poll = time.monotonic()
+        self._respawn_times: collections.deque[float] = collections.deque()
+        self.closed = False
+
+    # ---- fd bookkeeping ------------------------------------------------------------------
+    def _watch(self, fd: int, kind: str, slot: WorkerSlot | None) -> None:
+        self._fds[fd] = (kind, slot)
+        self._poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    def _unwatch(self, fd: int) -> None:
+        if self._fds.pop(fd, None) is not None:
+            try:
+                self._poller.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+
+    def watch_extra(self, fd: int, name: str) -> None:
+        """Also wake poll() when ``fd`` is readable (the pin thread's wake-up pipe)."""
+        self._watch(fd, name, None)
+        self._extra_fds[fd] = name
+
+    def unwatch_extra(self, fd: int) -> None:
+        self._unwatch(fd)
+        self._extra_fds.pop(fd, None)
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start_all(self) -> None:
+        for slot in self.slots:
+            self._start(slot)
+
+    def _start(self, slot: WorkerSlot) -> None:
+        task_r, task_w = self.ctx.Pipe(duplex=False)
+        result_r, result_w = self.ctx.Pipe(duplex=False)
+        main_fds = (task_w.fileno(), result_r.fileno())
+        _register_fds(*main_fds)
+        spec: WorkerSpec = self.make_spec(slot.wid)
+        with self.fork_lock:
+            if self._is_fork:
+                with _registry_lock:
+                    spec.close_fds = sorted(_MAIN_FDS)
+            else:
+                spec.close_fds = []
+            proc = self.ctx.Process(
+                target=worker_main,
+                args=(spec, task_r, result_w),
+                name=f"resumable_loader-worker-{slot.wid}",
+                daemon=True,
+            )
+            proc.start()
+        # The child has its copies now; ours would keep the pipes open after it dies.
+        task_r.close()
+        result_w.close()
+        slot.proc = proc
+        slot.pid = proc.pid
+        slot.task_conn = task_w
+        slot.result_conn = result_r
+        slot.state = STARTING
+        slot.generation += 1
+        slot.busy_since = time.monotonic()
+        self._watch(result_r.fileno(), "conn", slot)
+        self._watch(proc.sentinel, "sentinel", slot)
+
+    def respawn(self, slot: WorkerSlot) -> None:
+        """Start a replacement process for a DEAD slot (same worker id, same seeds)."""
+        now = time.monotonic()
+        times = self._respawn_times
+        times.append(now)
+        while times and now - times[0] > STORM_WINDOW_S:
+            times.popleft()
+        limit = max(STORM_MIN_RESPAWNS, 4 * len(self.slots))
+        if len(times) > limit:
+            raise WorkerCrashError(
+                f"respawn storm: {len(times)} worker respawns within {STORM_WINDOW_S:.0f} s "
+                f"(limit {limit}); workers are dying faster than they can do work. Check the "
+                "worker logs / dmesg for the OOM killer, lower num_workers or memory use."
+            )
+        old_pid = slot.pid
+        self._start(slot)
+        log.info("respawned worker %d: pid %d -> %d", slot.wid, old_pid, slot.pid)
+
+    def _release(self, slot: WorkerSlot) -> None:
+        """Unregister and close a slot's fds (its process must be gone or abandoned)."""
+        for conn in (slot.task_conn, slot.result_conn):
+            if conn is None:
+                continue
+            try:
+                fd = conn.fileno()
+                self._unwatch(fd)
+                _unregister_fds(fd)
+            except OSError:
+                pass
+            conn.close()
+        slot.task_conn = slot.result_conn = None
+        if slot.proc is not None:
+            self._unwatch(slot.proc.sentinel)
+
+    def mark_dead(self, slot: WorkerSlot, kill: bool = False) -> int | None:
+        """Reap (killing first if asked) and release a slot; returns the exit code."""
+        proc = slot.proc
+        if kill and proc is not None and proc.exitcode is None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+        exitcode = None
+        if proc is not None:
+            proc.join(KILL_JOIN_S if kill else 1.0)
+            if proc.exitcode is None:  # closed its pipe but still running: make it a fact
+                proc.kill()
+                proc.join(KILL_JOIN_S)
+            exitcode = proc.exitcode
+        self._release(slot)
+        if proc is not None:
+            try:
+                proc.close()
+            except ValueError:
+                pass
+        slot.proc = None
+        slot.state = DEAD
+        return exitcode
+
+    # ---- I/O -----------------------------------------------------------------------------
+    def send(self, slot: WorkerSlot, msg: Any) -> bool:
+        """Send to a live slot; False if its pipe is broken (death is handled by poll())."""
+        try:
+            slot.task_conn.send(msg)
+            return True
+        except (BrokenPipeError, ConnectionResetError, OSError, AttributeError):
+            return False
+
+    def poll(self, timeout_s: float | None) -> list[tuple[str, Any, Any]]:
+        """Wait up to ``timeout_s`` for messages and deaths.
+
+        Returns a list of events: ("msg", slot, message), ("dead", slot, (exitcode, cause)),
+        ("extra", fd_name, None).
+        """
+        ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000 + 0.999))
+        try:
+            ready = self._poller.poll(ms)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
+            ready = []
+        events: list[tuple[str, Any, Any]] = []
+        dead: dict[WorkerSlot, tuple[str, bool]] = {}
+        for fd, _ev in ready:
+            entry = self._fds.get(fd)
+            if entry is None:
+                continue
+            kind, slot = entry
+            if kind == "wake":
+                try:
+                    while os.read(fd, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif kind == "sentinel":
+                assert slot is not None
+                dead.setdefault(slot, ("", False))
+            elif kind in self._extra_fds.values():
+                events.append(("extra", kind, None))
+        for fd, _ev in ready:
+            entry = self._fds.get(fd)
+            if entry is None or entry[0] != "conn":
+                continue
+            slot = entry[1]
+            assert slot is not None
+            if slot in dead or not slot.alive:
+                continue  # a dead worker's half-written pipe is never read: its tasks re-run
+            try:
+                msg = slot.result_conn.recv()
+            except (EOFError, OSError) as exc:
+                dead[slot] = (f"closed its result pipe ({type(exc).__name__})", False)
+                continue
+            except Exception as exc:
+                # e.g. the shared-memory fd of a tensor could not be fetched from a worker
+                # that died right after sending: the result is lost, the worker replaced.
+                dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
+                continue
+            tag = msg[0]
+            if tag == READY:
+                slot.state = READY_STATE
+                slot.start_failures = 0
+                slot.init_error = None
+                slot.busy_since = time.monotonic()
+                events.append(("ready", slot, None))
+            elif tag == INIT_ERROR:
+                slot.init_error = msg[2]
+                dead[slot] = ("failed to start", False)
+            else:
+                events.append(("msg", slot, msg))
+        now = time.monotonic()
+        if now - self._last_poll >= POLL_INTERVAL_S:
+            self._last_poll = now
+            for slot in self.slots:
+                if slot.alive and slot not in dead and not slot.proc.is_alive():
+                    dead[slot] = ("", False)
+        if self.task_timeout is not None:
+            for slot in self.slots:
+                if (
+                    slot.state == READY_STATE
+                    and slot not in dead
+                    and slot.outstanding
+                    and now - slot.busy_since > self.task_timeout
+                ):
+                    dead[slot] = (f"hung (no result for {self.task_timeout:g} s: task_timeout)", True)
+        for slot, (why, kill) in dead.items():
+            pid = slot.pid
+            was_ready = slot.state == READY_STATE
+            exitcode = self.mark_dead(slot, kill=kill)
+            if why.startswith("hung"):
+                cause, key = why, "hang"
+            elif why == "failed to start":
+                cause, key = "failed in worker_init_fn", "init_error"
+            elif why:
+                cause, key = f"{why}; then {describe_exit(exitcode)}", "recv_error"
+            else:
+                cause, key = describe_exit(exitcode), exit_cause(exitcode)
+            events.append(("dead", slot, (pid, exitcode, cause, key, was_ready)))
+        return events
+
+    def next_deadline(self, now: float) -> float:
+        """The latest time poll() should return by, for polling and task_timeout checks."""
+        deadline = self._last_poll + POLL_INTERVAL_S
+        if self.task_timeout is not None:
+            for slot in self.slots:
+                if slot.state == READY_STATE and slot.outstanding:
+                    deadline = min(deadline, slot.busy_since + self.task_timeout + 0.001)
+        return max(deadline, now)
+
+    def shutdown(self) -> None:
+        """Stop every worker and release every fd; safe to call twice, and from finalizers."""
+        if self.closed:
+            return
+        self.closed = True
+        live = [s for s in self.slots if s.proc is not None]
+        for slot in live:
+            self.send(slot, (2,))  # STOP
+        # Closing our ends unblocks a worker stuck writing a large result to a full pipe.
+        for slot in live:
+            for conn in (slot.result_conn, slot.task_conn):
+                if conn is not None:
+                    try:
+                        fd = conn.fileno()
+                        self._unwatch(fd)
+                        _unregister_fds(fd)
+                    except OSError:
+                        pass
+                    conn.close()
+            slot.task_conn = slot.result_conn = None
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for slot in live:
+            slot.proc.join(max(0.0, deadline - time.monotonic()))
+        for slot in live:
+            proc = slot.proc
+            if proc.exitcode is None:
+                try:
+                    proc.kill()
+                except OSError:
+                    pass
+                proc.join(KILL_JOIN_S)
+            self._unwatch(proc.sentinel)
+            try:
+                proc.close()
+            except ValueError:
+                pass
+            slot.proc = None
+            slot.state = STOPPED
+        for slot in self.slots:
+            slot.state = STOPPED
+        _ChildSignal.remove(self._wake_w)
+        for fd in (self._wake_r, self._wake_w):
+            self._unwatch(fd)
+            _unregister_fds(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass

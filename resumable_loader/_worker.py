@@ -1,0 +1,447 @@
+"""Stage 3 of the pipeline: the worker process (and the fetchers the main process reuses).
+
+A worker reads messages from its own task pipe and answers on its own result pipe -- one pair
+per worker, so a worker killed mid-write can corrupt nothing but its own pipe, which the
+supervisor throws away with it (a shared queue would stay locked by the dead writer).
+
+    main ──(EPOCH | TASK | STOP)──► task pipe ──► worker ──► result pipe ──(READY | RESULT)──► main
+
+Per task: seed python/numpy/torch from (base seed, epoch, task), fetch, collate, and send the
+result in one message together with the dataset's state for stateful streams ("state rides with
+the data"). Tasks waiting in the pipe are run lowest id first, so a task re-sent after a crash
+overtakes the prefetched ones queued behind it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from ._errors import RemoteTraceback
+from ._seeding import STREAM, TASK, derive_seed, seed_global_rngs
+
+# Main -> worker message tags.
+EPOCH = 0  # (EPOCH, gen, epoch, base_seed, resume)
+#   resume: None | ("state", sd, encoded: bool) | ("skip", n)
+TASK_MSG = 1  # (TASK_MSG, gen, tid, payload) -- payload: indices (map) or fetch number k (stream)
+STOP = 2  # (STOP,)
+
+# Worker -> main message tags.
+READY = 10  # (READY, worker_id, pid)
+INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
+RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries)
+
+# RESULT status values.
+OK = 0
+ERROR = 1  # payload is a WorkerError, re-raised in the main process
+END = 2  # the worker's stream is exhausted; payload None
+
+# How often an idle worker checks that its parent is still alive. A worker whose parent died
+# must not linger; one second keeps the check cheap and the orphan's life short.
+PARENT_CHECK_INTERVAL_S = 1.0
+
+
+class StreamEnd(Exception):
+    """The worker's stream has no further batch."""
+
+
+class KeyErrorMessage(str):
+    """KeyError repr()s its argument; keep the multi-line message readable."""
+
+    def __repr__(self) -> str:
+        return self
+
+
+class WorkerError:
+    """A picklable record of an exception raised while loading a task."""
+
+    def __init__(self, where: str, exc: BaseException | None = None) -> None:
+        if exc is None:
+            exc = sys.exc_info()[1]
+        assert exc is not None
+        self.where = where
+        self.type_name = type(exc).__name__
+        self.text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.exc_type: type[BaseException] | None = type(exc)
+        try:
+            pickle.dumps(self.exc_type)
+        except Exception:
+            self.exc_type = None
+
+    def exception(self) -> BaseException:
+        """The exception to raise in the main process (its ``__cause__`` is the remote tb)."""
+        msg = f"Caught {self.type_name} {self.where}.\nOriginal {self.text}"
+        exc: BaseException
+        t = self.exc_type
+        if t is KeyError:
+            exc = KeyError(KeyErrorMessage(msg))
+        else:
+            try:
+                exc = t(msg) if t is not None else RuntimeError(msg)
+            except Exception:
+                exc = RuntimeError(msg)
+        exc.__cause__ = RemoteTraceback(self.text)
+        return exc
+
+
+# --------------------------------------------------------------------------------------------
+# Fetchers: shared by worker processes and the single-process iterator.
+
+
+class MapFetcher:
+    """Fetch a task of a map-style dataset: indices -> collated batch (like torch's)."""
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Any) -> None:
+        self.dataset = dataset
+        self.auto = auto_collation
+        self.collate = collate_fn
+        self.getitems = getattr(dataset, "__getitems__", None) if auto_collation else None
+
+    def fetch(self, indices: Any) -> Any:
+        if self.auto:
+            if self.getitems:
+                data = self.getitems(indices)
+            else:
+                ds = self.dataset
+                data = [ds[i] for i in indices]
+            return self.collate(data)
+        return self.collate(self.dataset[indices])
+
+
+def _has_state(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+class StreamFetcher:
+    """Fetch batches from an iterable dataset's iterator, tracking its state.
+
+    The state holder is the dataset if it has ``state_dict``/``load_state_dict`` (the
+    torch/torchdata "Stateful" shape), else the iterator if it has them, else nothing (the
+    stream is then fast-forwarded by skipping fetches).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        auto_collation: bool,
+        collate_fn: Any,
+        batch_size: int | None,
+        drop_last: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.auto = auto_collation
+        self.collate = collate_fn
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.it: Any = None
+        self.ended = False
+        self.holder: Any = None
+        self.prev_state: dict[Any, bytes] = {}
+
+    @property
+    def stateful(self) -> bool:
+        return self.holder is not None
+
+    def start(self, resume: Any, seed_for: Any) -> None:
+        """Begin the epoch's stream; restore it from ``resume`` (see EPOCH)."""
+        self.ended = False
+        self.prev_state = {}
+        ds = self.dataset
+        state = None
+        if resume is not None and resume[0] == "state":
+            state = decode_state(resume[1]) if resume[2] else resume[1]
+        if _has_state(ds):
+            if state is not None:
+                ds.load_state_dict(state)
+            self.it = iter(ds)
+            self.holder = ds
+        else:
+            self.it = iter(ds)
+            self.holder = self.it if _has_state(self.it) else None
+            if state is not None:
+                if self.holder is None:
+                    raise RuntimeError(
+                        "a saved stream state cannot be restored: neither the dataset nor its "
+                        "iterator has load_state_dict()"
+                    )
+                self.holder.load_state_dict(state)
+        if resume is not None and resume[0] == "skip":
+            for k in range(resume[1]):
+                seed_global_rngs(seed_for(k))
+                try:
+                    self._pull()
+                except StreamEnd:
+                    break
+
+    def _pull(self) -> list[Any] | Any:
+        if self.ended:
+            raise StreamEnd
+        it = self.it
+        if not self.auto:
+            try:
+                return next(it)
+            except StopIteration:
+                self.ended = True
+                raise StreamEnd from None
+        items = []
+        bs = self.batch_size
+        assert bs is not None
+        for _ in range(bs):
+            try:
+                items.append(next(it))
+            except StopIteration:
+                self.ended = True
+                break
+        if not items or (self.drop_last and len(items) < bs):
+            self.ended = True
+            raise StreamEnd
+        return items
+
+    def fetch(self, _k: Any = None) -> Any:
+        return self.collate(self._pull())
+
+    def state_delta(self) -> dict[Any, bytes] | None:
+        """The changed keys of the holder's state since the last call, pickled per key.
+
+        Only changed values travel to the main process; unchanged ones are compared as bytes
+        here, in the worker, which has the time (it runs in parallel with the others).
+        """
+        if self.holder is None:
+            return None
+        sd = self.holder.state_dict()
+        if not isinstance(sd, dict):
+            sd = {None: sd}
+        prev = self.prev_state
+        delta = {}
+        for key, value in sd.items():
+            blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            if prev.get(key) != blob:
+                delta[key] = blob
+        for key in prev.keys() - sd.keys():
+            delta[key] = b""  # removed key
+        if delta:
+            prev.update(delta)
+            for key in [k for k, v in delta.items() if v == b""]:
+                prev.pop(key, None)
+        return delta
+
+
+def merge_state(into: dict[Any, bytes], delta: dict[Any, bytes] | None) -> None:
+    """Apply a per-key state delta (b"" marks a removed key)."""
+    if not delta:
+        return
+    into.update(delta)
+    if b"" in delta.values():
+        for key in [k for k, v in delta.items() if v == b""]:
+            into.pop(key, None)
+
+
+def decode_state(encoded: dict[Any, bytes]) -> Any:
+    """Per-key pickled state -> the dataset's plain state (inverse of ``state_delta``)."""
+    if set(encoded) == {None}:
+        return pickle.loads(encoded[None])
+    return {k: pickle.loads(v) for k, v in encoded.items()}
+
+
+def make_retrier(retry: Any, reseed: Any) -> Any:
+    """A callable ``run(fn, *args) -> (result, retries)`` honouring a RetryPolicy (or None)."""
+    if retry is None:
+
+        def run_once(fn: Any, *args: Any) -> tuple[Any, int]:
+            return fn(*args), 0
+
+        return run_once
+
+    import tenacity
+
+    def run(fn: Any, *args: Any) -> tuple[Any, int]:
+        retrier = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(retry.attempts),
+            wait=tenacity.wait_exponential(multiplier=retry.backoff_s, max=retry.max_backoff_s),
+            retry=tenacity.retry_if_exception_type(tuple(retry.exceptions)),
+            reraise=True,
+            before=lambda _state: reseed(),
+        )
+        result = retrier(fn, *args)
+        return result, retrier.statistics.get("attempt_number", 1) - 1
+
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# The worker process.
+
+
+class WorkerSpec:
+    """Everything a worker process needs; pickled once per (re)spawn."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.worker_id: int = kw["worker_id"]
+        self.num_workers: int = kw["num_workers"]
+        self.dataset: Any = kw["dataset"]
+        self.iterable: bool = kw["iterable"]
+        self.auto_collation: bool = kw["auto_collation"]
+        self.collate_fn: Any = kw["collate_fn"]
+        self.batch_size: int | None = kw["batch_size"]
+        self.drop_last: bool = kw["drop_last"]
+        self.worker_seed: int = kw["worker_seed"]
+        self.base_seed: int = kw["base_seed"]
+        self.init_fn: Any = kw["init_fn"]
+        self.retry: Any = kw["retry"]
+        self.close_fds: list[int] = kw.get("close_fds", [])
+
+
+def _set_worker_info(spec: WorkerSpec) -> None:
+    from torch.utils.data._utils import worker as torch_worker
+
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=spec.worker_id, num_workers=spec.num_workers, seed=spec.worker_seed, dataset=spec.dataset
+    )
+
+
+def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
+    """Entry point of a worker process."""
+    # Under fork we inherited the main process's ends of every loader pipe; holding them would
+    # keep a dead sibling's pipe open and hide its EOF from the main process.
+    for fd in spec.close_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    # Ctrl-C is the main process's to handle; a worker dying of it would look like a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        torch._C._set_worker_signal_handlers()  # prints a clear message on SIGSEGV/SIGBUS
+    except Exception:
+        pass
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    wid = spec.worker_id
+    where = f"in DataLoader worker {wid} (pid {os.getpid()})"
+    try:
+        seed_global_rngs(spec.worker_seed)
+        _set_worker_info(spec)
+        if spec.init_fn is not None:
+            spec.init_fn(wid)
+    except Exception:
+        err = WorkerError(f"in worker_init_fn of DataLoader worker {wid} (pid {os.getpid()})")
+        _send(result_conn, (INIT_ERROR, wid, err))
+        return
+    if not _send(result_conn, (READY, wid, os.getpid())):
+        return
+    try:
+        _loop(spec, task_conn, result_conn, parent, where)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the main process closed our pipes: shut down quietly
+
+
+def _send(conn: Any, msg: Any) -> bool:
+    try:
+        conn.send(msg)
+        return True
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+        return False
+
+
+def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where: str) -> None:
+    wid = spec.worker_id
+    fetcher: Any
+    if spec.iterable:
+        fetcher = StreamFetcher(
+            spec.dataset, spec.auto_collation, spec.collate_fn, spec.batch_size, spec.drop_last
+        )
+    else:
+        fetcher = MapFetcher(spec.dataset, spec.auto_collation, spec.collate_fn)
+    base = spec.base_seed
+    epoch = 0
+    gen = -1  # epoch generation: results carry it so stale ones can be told apart
+    seed = 0
+
+    def reseed() -> None:
+        seed_global_rngs(seed)
+
+    run = make_retrier(spec.retry, reseed)
+    if spec.iterable and not inspect.isgeneratorfunction(type(spec.dataset).__iter__):
+        run_stream = run
+    else:
+        # A generator that raised is finished; retrying next() on it would silently end the
+        # stream. Transient-error retries therefore apply to map-style fetches and to stream
+        # iterators that are classes, not generators.
+        run_stream = make_retrier(None, reseed)
+    pending: list[tuple[int, Any]] = []  # heap of (tid, payload)
+
+    while True:
+        # Take everything waiting in the pipe so the lowest task id runs first.
+        while not pending or task_conn.poll(0):
+            if not pending and not task_conn.poll(PARENT_CHECK_INTERVAL_S):
+                if os.getppid() != parent:
+                    return  # orphaned: our main process is gone
+                continue
+            msg = task_conn.recv()
+            tag = msg[0]
+            if tag == TASK_MSG:
+                if msg[1] == gen:
+                    heapq.heappush(pending, (msg[2], msg[3]))
+            elif tag == EPOCH:
+                pending.clear()
+                _, gen, epoch, base, resume = msg
+                if spec.iterable:
+
+                    def seed_for(k: int, _e: int = epoch, _b: int = base) -> int:
+                        return derive_seed(STREAM, _b, _e, wid, k)
+
+                    try:
+                        fetcher.start(resume, seed_for)
+                    except Exception:
+                        err = WorkerError(f"while restoring the stream state {where}")
+                        _send(result_conn, (INIT_ERROR, wid, err))
+                        return
+            elif tag == STOP:
+                return
+        tid, payload = heapq.heappop(pending)
+        if spec.iterable:
+            seed = derive_seed(STREAM, base, epoch, wid, payload)
+        else:
+            seed = derive_seed(TASK, base, epoch, tid)
+        seed_global_rngs(seed)
+        delta = None
+        retries = 0
+        try:
+            if spec.iterable:
+                data, retries = run_stream(fetcher.fetch, payload)
+                delta = fetcher.state_delta()
+            else:
+                data, retries = run(fetcher.fetch, payload)
+            msg = (RESULT, gen, tid, OK, data, delta, retries)
+        except StreamEnd:
+            msg = (RESULT, gen, tid, END, None, None, 0)
+        except Exception:
+            what = f"samples {payload}" if not spec.iterable else f"stream batch {payload}"
+            err = WorkerError(f"{where} while loading {what}")
+            msg = (RESULT, gen, tid, ERROR, err, None, 0)
+        data = None
+        try:
+            result_conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            return
+        except Exception:
+            # The batch could not be pickled: report that instead of dying silently.
+            err = WorkerError(f"{where}: the batch of task {tid} could not be sent (pickling)")
+            result_conn.send((RESULT, gen, tid, ERROR, err, None, 0))
+        del msg
+
+
+def now() -> float:
+    return time.monotonic()
