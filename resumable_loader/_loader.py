@@ -204,7 +204,10 @@ class _SingleProcessIter(_BaseIter):
         self._pin = loader._pin_fn()
         self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
         self._seed = 0
+        # Ids > consumed already delivered (for the state), and the ids to skip when drawn:
+        # two sets, because advancing ``consumed`` must not forget what is still to skip.
         self._ahead = set(rp.ahead) if rp else set()
+        self._skip = set(self._ahead)
         self._consumed = rp.consumed if rp else 0
         self._owed: list[tuple[int, Any]] = []
         if self._iterable:
@@ -214,7 +217,9 @@ class _SingleProcessIter(_BaseIter):
             )
             wp = rp.workers[0] if rp else S.WorkerPosition()
             resume = None
-            if wp.dataset_state is not None:
+            if wp.exhausted:
+                pass  # nothing more this epoch; start the next one from a fresh iterator
+            elif wp.dataset_state is not None:
                 resume = ("state", wp.dataset_state, False)
             elif wp.delivered:
                 loader._warn_fast_forward(wp.delivered)
@@ -256,8 +261,8 @@ class _SingleProcessIter(_BaseIter):
             except StopIteration:
                 self._finish()
                 raise
-            if tid in self._ahead:
-                self._ahead.discard(tid)
+            if tid in self._skip:
+                self._skip.discard(tid)
                 continue
             break
         if self._stateful_sampler:
@@ -324,7 +329,12 @@ class _SingleProcessIter(_BaseIter):
             holder = self._fetcher.holder
             state = copy.deepcopy(holder.state_dict()) if holder is not None else None
             pos[S.K_WORKERS] = [
-                {"id": 0, "delivered": self._k, "exhausted": self._exhausted, "dataset_state": state}
+                {
+                    "id": 0,
+                    "delivered": self._k,
+                    "exhausted": self._exhausted or self._fetcher.ended,
+                    "dataset_state": state,
+                }
             ]
             pos[S.K_NEXT_WORKER] = 0
         return pos
@@ -430,14 +440,17 @@ class _MultiProcessIter(_BaseIter):
                 slot.exhausted = self._ledger.exhausted[w]
                 slot.recv_state = dict(self._ledger.state[w])
                 slot.recv_count = slot.next_k = self._ledger.delivered[w]
-                if not slot.recv_state and slot.recv_count:
+                if not slot.recv_state and slot.recv_count and not slot.exhausted:
                     loader._warn_fast_forward(slot.recv_count)
             self._send_epoch(slot)
         disp.fill()
 
     def _send_epoch(self, slot: WorkerSlot) -> None:
         resume = None
-        if self._iterable:
+        if self._iterable and not slot.exhausted:
+            # An exhausted worker gets no task this epoch; restoring its end-of-stream state
+            # would leave a persistent worker's dataset there for the next epoch, where the
+            # uninterrupted run's dataset ran its iterator to the end.
             resume = _resume_message(slot.recv_state, slot.recv_count)
         self._sup.send(slot, (EPOCH, self._disp.gen, self.epoch, self._base, resume))
 
@@ -475,11 +488,11 @@ class _MultiProcessIter(_BaseIter):
         if self._stateful_sampler:
             self._drawn.pop(tid, None)
         if self._ledger is not None and extra is not None:
-            w, delta = extra
+            w, delta, drained = extra
             if status in (OK, ERROR):
                 self._ledger.delivered[w] += 1
                 merge_state(self._ledger.state[w], delta)
-            elif status in (END, POISON, SKIPPED):
+            if drained or status in (END, POISON, SKIPPED):
                 self._ledger.exhausted[w] = True
         if status == OK:
             return payload
@@ -531,7 +544,7 @@ class _MultiProcessIter(_BaseIter):
         self._disp.fill()
 
     def _on_result(self, slot: WorkerSlot, msg: Any) -> None:
-        _, gen, tid, status, payload, delta, retries = msg
+        _, gen, tid, status, payload, delta, retries, drained = msg
         if gen != self._disp.gen:
             return  # from an epoch abandoned with persistent workers
         task = self._disp.on_result(slot, tid)
@@ -540,12 +553,12 @@ class _MultiProcessIter(_BaseIter):
             return
         self._counters.retries += retries
         if self._iterable:
-            if status == END:
-                slot.exhausted = True
-            else:
+            if status != END:
                 slot.recv_count += 1
                 merge_state(slot.recv_state, delta)
-        item = (status, payload, (slot.wid, delta) if self._iterable else None)
+            if drained:
+                slot.exhausted = True  # no further task to this worker
+        item = (status, payload, (slot.wid, delta, drained) if self._iterable else None)
         if status == OK and self._pin is not None:
             self._pin.submit(tid, item)
         elif not self._reorder.put(tid, item):
@@ -611,7 +624,7 @@ class _MultiProcessIter(_BaseIter):
         )
         disp = self._disp
         disp.drop(task.tid)
-        extra = (slot.wid, None) if self._iterable else None
+        extra = (slot.wid, None, True) if self._iterable else None
         if self._iterable:
             # The worker's stream cannot get past this batch: its shard ends here this epoch.
             slot.exhausted = True

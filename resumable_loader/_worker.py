@@ -38,7 +38,8 @@ STOP = 2  # (STOP,)
 # Worker -> main message tags.
 READY = 10  # (READY, worker_id, pid)
 INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
-RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries)
+RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries, drained)
+#   drained: the stream ran dry while this batch was filled (its state may already be rewound)
 
 # RESULT status values.
 OK = 0
@@ -424,13 +425,13 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
                 delta = fetcher.state_delta()
             else:
                 data, retries = run(fetcher.fetch, payload)
-            msg = (RESULT, gen, tid, OK, data, delta, retries)
+            msg = (RESULT, gen, tid, OK, data, delta, retries, spec.iterable and fetcher.ended)
         except StreamEnd:
-            msg = (RESULT, gen, tid, END, None, None, 0)
+            msg = (RESULT, gen, tid, END, None, None, 0, True)
         except Exception:
             what = f"samples {payload}" if not spec.iterable else f"stream batch {payload}"
             err = WorkerError(f"{where} while loading {what}")
-            msg = (RESULT, gen, tid, ERROR, err, None, 0)
+            msg = (RESULT, gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
         data = None
         try:
             result_conn.send(msg)
@@ -439,7 +440,7 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         except Exception:
             # The batch could not be pickled: report that instead of dying silently.
             err = WorkerError(f"{where}: the batch of task {tid} could not be sent (pickling)")
-            result_conn.send((RESULT, gen, tid, ERROR, err, None, 0))
+            result_conn.send((RESULT, gen, tid, ERROR, err, None, 0, False))
         del msg
 
 

@@ -1,0 +1,342 @@
+"""Tools to test loaders -- ours, and your own datasets under ours.
+
+Reference streams and resume checks:
+    ``reference_stream(make_loader, epochs)``   the batches of an uninterrupted run
+    ``check_resume(make_loader, ...)``           save at every step k, rebuild, resume, compare
+    ``canonical(batch)``                         a hashable, exactly comparable form of a batch
+
+Fault injection (works under fork, spawn and forkserver; attempts are counted in files, so a
+respawned worker sees how often a sample already crashed):
+    ``Fault``, ``FaultyDataset``, ``FaultyStream``   crash/hang/fail on chosen samples/attempts
+    ``worker_pids(loader)``, ``kill_worker(loader, k, sig)``   act on live workers
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+__all__ = [
+    "Fault",
+    "FaultyDataset",
+    "FaultyStream",
+    "canonical",
+    "check_resume",
+    "kill_worker",
+    "reference_stream",
+    "roundtrip_state",
+    "worker_pids",
+]
+
+
+# ---- comparing batches ------------------------------------------------------------------------
+def canonical(obj: Any) -> Any:
+    """A hashable form of ``obj`` that is equal exactly when the values, dtypes and shapes are."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", str(obj.dtype), tuple(obj.shape), tuple(obj.flatten().tolist()))
+    if isinstance(obj, np.ndarray):
+        return ("ndarray", str(obj.dtype), obj.shape, tuple(obj.flatten().tolist()))
+    if isinstance(obj, dict):
+        return ("dict", tuple((k, canonical(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(canonical(x) for x in obj))
+    if isinstance(obj, float) and obj != obj:
+        return ("nan",)
+    return obj
+
+
+def reference_stream(make_loader: Callable[[], Any], epochs: int = 1) -> list[list[Any]]:
+    """The canonical batches of ``epochs`` uninterrupted epochs of ``make_loader()``."""
+    loader = make_loader()
+    try:
+        return [[canonical(b) for b in loader] for _ in range(epochs)]
+    finally:
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+
+
+def roundtrip_state(sd: dict[str, Any], via: str) -> dict[str, Any]:
+    """Send a state through a storage format: "dict", "bytes" (dump_state), "torch"
+    (torch.save + torch.load(weights_only=True)) or "json"."""
+    if via == "dict":
+        return sd
+    if via == "bytes":
+        from resumable_loader import dump_state, load_state
+
+        return load_state(dump_state(sd))
+    if via == "torch":
+        import io
+
+        buf = io.BytesIO()
+        torch.save({"loader": sd}, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)["loader"]
+    if via == "json":
+        return json.loads(json.dumps(sd))
+    raise ValueError(f"unknown via {via!r}")
+
+
+def _positions(ref: list[list[Any]], before_stop: bool) -> list[tuple[int, int, bool]]:
+    """Every save point (epoch, batches consumed in it, saved after StopIteration?)."""
+    out = []
+    for e, batches in enumerate(ref):
+        for j in range(len(batches) + 1):
+            out.append((e, j, False))
+        out.append((e, len(batches), True))
+    return out if before_stop else [p for p in out if not (p[1] == len(ref[p[0]]) and not p[2])]
+
+
+def check_resume(
+    make_loader: Callable[[], Any],
+    *,
+    epochs: int = 2,
+    via: str = "dict",
+    steps: Sequence[int] | None = None,
+    in_order: bool = True,
+    make_resumed: Callable[[], Any] | None = None,
+    reference: list[list[Any]] | None = None,
+) -> int:
+    """Check that saving at each step and resuming in a fresh loader continues exactly.
+
+    ``make_loader`` must build identical loaders (give it a seeded ``generator``); the
+    resumed loader may differ in its generator or global seed (``make_resumed``): the state
+    carries the seeds.
+
+    The reference is one uninterrupted run of ``epochs`` epochs. For each save point -- every
+    batch of every epoch, after the last batch but before StopIteration, and after
+    StopIteration -- a loader consumes up to that point, its ``state_dict()`` goes through
+    ``via`` (see ``roundtrip_state``), a new loader (``make_resumed()``, default
+    ``make_loader()``) loads it and runs the rest of the ``epochs`` epochs. The batches must
+    equal the reference's; with ``in_order=False`` each epoch must hold the same batches as the
+    reference's, each exactly once.
+
+    Args:
+        steps: only check these indices into the list of save points (default: all).
+
+    Returns:
+        the number of save points checked.
+
+    Raises:
+        AssertionError: naming the save point, and the first differing batch.
+    """
+    ref = reference if reference is not None else reference_stream(make_loader, epochs)
+    points = _positions(ref, before_stop=True)
+    chosen = range(len(points)) if steps is None else steps
+    make_resumed = make_resumed or make_loader
+    for i in chosen:
+        e, j, after_stop = points[i]
+        first = make_loader()
+        got: list[list[Any]] = [[] for _ in range(epochs)]
+        try:
+            for epoch in range(e + 1):
+                it = iter(first)
+                stop_at = len(ref[epoch]) if epoch < e else j
+                for _ in range(stop_at):
+                    got[epoch].append(canonical(next(it)))
+                if epoch < e or after_stop:
+                    try:
+                        extra = next(it)
+                    except StopIteration:
+                        pass
+                    else:
+                        raise AssertionError(
+                            f"epoch {epoch} yielded more batches than the reference: "
+                            f"{canonical(extra)!r:.200}"
+                        )
+            sd = roundtrip_state(first.state_dict(), via)
+        finally:
+            first.close()
+        second = make_resumed()
+        try:
+            second.load_state_dict(sd)
+            start_epoch = e + 1 if after_stop else e
+            for epoch in range(start_epoch, epochs):
+                got[epoch].extend(canonical(b) for b in second)
+        finally:
+            second.close()
+        where = f"save point {i} (epoch {e}, after {j} batches{', after StopIteration' if after_stop else ''}, via {via})"
+        for epoch in range(epochs):
+            if in_order:
+                if got[epoch] != ref[epoch]:
+                    k = next(
+                        (k for k, (a, b) in enumerate(zip(got[epoch], ref[epoch])) if a != b),
+                        min(len(got[epoch]), len(ref[epoch])),
+                    )
+                    raise AssertionError(
+                        f"{where}: epoch {epoch} differs from the uninterrupted run at batch "
+                        f"{k}: got {len(got[epoch])} batches, expected {len(ref[epoch])}; "
+                        f"got {got[epoch][k:k + 1]!r:.300} expected {ref[epoch][k:k + 1]!r:.300}"
+                    )
+            else:
+                a, b = Counter(map(repr, got[epoch])), Counter(map(repr, ref[epoch]))
+                if a != b:
+                    raise AssertionError(
+                        f"{where}: epoch {epoch} holds other batches than the uninterrupted run: "
+                        f"missing {sum((b - a).values())}, extra {sum((a - b).values())}"
+                    )
+    return len(chosen)
+
+
+# ---- fault injection --------------------------------------------------------------------------
+ACTIONS = ("sigkill", "sigsegv", "exit", "stop", "hang", "raise", "transient", "unpicklable")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What to do when a sample is fetched.
+
+    Args:
+        action: "sigkill", "sigsegv" (a real segfault), "exit" (``os._exit(exit_code)``),
+            "stop" (SIGSTOP: a hung worker; use with ``task_timeout``), "hang" (sleep forever in
+            user code), "raise" (``exc_type(message)``), "transient" (``OSError``: use with a
+            ``RetryPolicy``), "unpicklable" (return an object that cannot be sent).
+        attempts: the fetch attempts of this sample (0 = first) on which to act; ``None``:
+            every attempt (a poison sample).
+        worker: act only in this worker id (None: any).
+    """
+
+    action: str
+    attempts: frozenset[int] | None = frozenset({0})
+    worker: int | None = None
+    exit_code: int = 3
+    exc_type: type[BaseException] = ValueError
+    message: str = "injected fault"
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"unknown fault action {self.action!r}; choose from {ACTIONS}")
+
+
+def _record_attempt(state_dir: str, key: str) -> int:
+    """Count attempts in a file (one byte per attempt): survives the worker that made them."""
+    path = os.path.join(state_dir, f"attempts-{key}")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b".")
+    finally:
+        os.close(fd)
+    return os.path.getsize(path) - 1
+
+
+def _act(fault: Fault, what: str) -> Any:
+    info = get_worker_info()
+    if fault.action not in ("raise", "transient", "unpicklable") and info is None:
+        raise RuntimeError(
+            f"fault {fault.action!r} on {what} would kill the main process: use num_workers > 0"
+        )
+    if fault.action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.action == "sigsegv":
+        import ctypes
+
+        ctypes.string_at(0)  # a genuine invalid read
+    elif fault.action == "exit":
+        os._exit(fault.exit_code)
+    elif fault.action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.action == "hang":
+        while True:
+            time.sleep(3600)
+    elif fault.action == "raise":
+        raise fault.exc_type(f"{fault.message} ({what})")
+    elif fault.action == "transient":
+        raise OSError(f"{fault.message}: transient error ({what})")
+    elif fault.action == "unpicklable":
+        return lambda: None
+    return None
+
+
+class FaultyDataset(Dataset):  # type: ignore[type-arg]
+    """Wrap a map-style dataset; fetching index ``i`` applies ``faults[i]`` on chosen attempts.
+
+    Args:
+        dataset: the dataset to wrap.
+        faults: sample index -> Fault.
+        state_dir: a directory for the attempt counters (e.g. pytest's ``tmp_path``).
+    """
+
+    def __init__(self, dataset: Any, faults: dict[int, Fault], state_dir: str | os.PathLike[str]):
+        self.dataset = dataset
+        self.faults = dict(faults)
+        self.state_dir = os.fspath(state_dir)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        fault = self.faults.get(index)
+        if fault is not None:
+            info = get_worker_info()
+            if fault.worker is None or (info is not None and info.id == fault.worker):
+                attempt = _record_attempt(self.state_dir, f"idx{index}")
+                if fault.attempts is None or attempt in fault.attempts:
+                    out = _act(fault, f"sample {index}, attempt {attempt}")
+                    if out is not None:
+                        return out
+        return self.dataset[index]
+
+
+class FaultyStream(IterableDataset):  # type: ignore[type-arg]
+    """Wrap an iterable dataset; the ``n``-th item a worker yields applies ``faults[n]``.
+
+    Keys are ``(worker id, item number within that worker's stream)``; with
+    ``num_workers=0`` the worker id is 0. State methods of the wrapped stream are forwarded.
+    """
+
+    def __init__(
+        self, stream: Any, faults: dict[tuple[int, int], Fault], state_dir: str | os.PathLike[str]
+    ):
+        self.stream = stream
+        self.faults = dict(faults)
+        self.state_dir = os.fspath(state_dir)
+        if callable(getattr(stream, "state_dict", None)):
+            self.state_dict = stream.state_dict
+            self.load_state_dict = stream.load_state_dict
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        wid = info.id if info is not None else 0
+        for n, item in enumerate(self.stream):
+            fault = self.faults.get((wid, n))
+            if fault is not None:
+                attempt = _record_attempt(self.state_dir, f"w{wid}-n{n}")
+                if fault.attempts is None or attempt in fault.attempts:
+                    out = _act(fault, f"item {n} of worker {wid}, attempt {attempt}")
+                    if out is not None:
+                        item = out
+            yield item
+
+
+def worker_pids(loader: Any) -> list[int]:
+    """The pids of the loader's live worker processes, by worker id (-1: not running)."""
+    sup = loader._pool
+    if sup is None:
+        it = loader._active()
+        sup = getattr(it, "_sup", None)
+    if sup is None:
+        return []
+    return [s.pid if s.alive else -1 for s in sup.slots]
+
+
+def kill_worker(loader: Any, worker: int, sig: int = signal.SIGKILL) -> int:
+    """Send ``sig`` to worker ``worker`` of the loader's current iterator; returns its pid."""
+    pid = worker_pids(loader)[worker]
+    if pid <= 0:
+        raise RuntimeError(f"worker {worker} is not running")
+    os.kill(pid, sig)
+    return pid
+
