@@ -233,7 +233,9 @@ class _SingleProcessIter(_BaseIter):
         else:
             self._fetcher = MapFetcher(loader.dataset, loader._auto_collation, loader.collate_fn)
             if self._stateful_sampler and rp is not None:
-                self._source = plan.epoch(self._base, epoch, 0, rp.sampler_state)
+                self._source = plan.epoch(
+                    self._base, epoch, rp.drawn, rp.sampler_state, rp.sampler_done
+                )
                 self._owed = sorted(rp.outstanding)
                 self._tid = rp.drawn
             else:
@@ -324,6 +326,7 @@ class _SingleProcessIter(_BaseIter):
         if self._stateful_sampler:
             pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
             pos[S.K_DRAWN] = self._tid
+            pos[S.K_SAMPLER_DONE] = bool(getattr(self._source, "done", False))
             pos[S.K_OUTSTANDING] = [[t, self._drawn[t]] for t in sorted(self._drawn)]
         if self._iterable:
             holder = self._fetcher.holder
@@ -406,7 +409,9 @@ class _MultiProcessIter(_BaseIter):
         if self._iterable:
             source: Any = iter(())
         elif self._stateful_sampler and rp is not None:
-            source = self._plan.epoch(self._base, self.epoch, 0, rp.sampler_state)
+            source = self._plan.epoch(
+                self._base, self.epoch, rp.drawn, rp.sampler_state, rp.sampler_done
+            )
         else:
             source = self._plan.epoch(self._base, self.epoch, start)
         reorder = self._reorder
@@ -586,8 +591,14 @@ class _MultiProcessIter(_BaseIter):
         if slot.start_failures >= self._max_attempts:
             err = WorkerCrashError(
                 f"DataLoader worker {slot.wid} failed to start {slot.start_failures} times in a "
-                f"row (last: pid {pid} {cause}). Fix worker_init_fn or the worker environment; "
-                "the loader's state_dict() still describes what was consumed.",
+                f"row (last: pid {pid} {cause}). Fix worker_init_fn or the worker environment"
+                + (
+                    "; under spawn/forkserver a worker re-imports the main module, so guard the "
+                    "script's top level with `if __name__ == '__main__':`"
+                    if slot.init_error is None and self._sup.ctx.get_start_method() != "fork"
+                    else ""
+                )
+                + ". The loader's state_dict() still describes what was consumed.",
                 attempts=(line,),
             )
             cause_exc = slot.init_error.exception() if slot.init_error is not None else None
@@ -661,6 +672,9 @@ class _MultiProcessIter(_BaseIter):
         if self._stateful_sampler:
             pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
             pos[S.K_DRAWN] = self._disp.send_idx
+            pos[S.K_SAMPLER_DONE] = self._disp.source_done or bool(
+                getattr(self._disp.source, "done", False)
+            )
             pos[S.K_OUTSTANDING] = [[t, self._drawn[t]] for t in sorted(self._drawn)]
         if self._ledger is not None:
             pos[S.K_AHEAD] = []
@@ -932,6 +946,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             if self._plan.kind == STATEFUL:
                 pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
                 pos[S.K_DRAWN] = 0
+                pos[S.K_SAMPLER_DONE] = False
                 pos[S.K_OUTSTANDING] = []
             if self._plan.kind == ITERABLE:
                 pos[S.K_WORKERS] = [

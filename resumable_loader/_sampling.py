@@ -7,8 +7,9 @@ source of task indices that can start at any position:
 * ``builtin``: torch's own ``SequentialSampler`` / ``RandomSampler`` (exact types), batched by
   torch's ``BatchSampler`` or unbatched. Their order is recomputed from (seed, epoch), so the
   state is O(1): seed + position, never a permutation or a generator tensor.
-* ``stateful``: a user sampler/batch sampler with ``state_dict()``/``load_state_dict()``; its
-  own state is saved, together with the indices of tasks drawn but not yet consumed.
+* ``stateful``: a user sampler/batch sampler with ``state_dict()``/``load_state_dict()`` (also
+  inside torch's ``BatchSampler``); its own state is saved, as of the batches drawn so far,
+  together with the indices of batches drawn but not yet consumed.
 * ``fastforward``: any other sampler; on resume its iterator is re-created and ``position``
   tasks are drawn and discarded (no data is fetched). O(position) sampler steps; exact when the
   sampler's order is a function of the epoch (e.g. ``DistributedSampler`` after ``set_epoch``).
@@ -63,12 +64,20 @@ class IndexPlan:
         index_sampler = batch_sampler if auto_collation else sampler
         self._index_sampler = index_sampler
         inner = sampler
+        # Whose state_dict() holds the position: the index sampler, or the sampler inside
+        # torch's own BatchSampler (which only groups consecutive draws).
+        self._stateful_obj: Any = None
+        if not isinstance(dataset, IterableDataset):
+            if _has_state(index_sampler):
+                self._stateful_obj = index_sampler
+            elif auto_collation and type(batch_sampler) is BatchSampler and _has_state(sampler):
+                self._stateful_obj = sampler
         if isinstance(dataset, IterableDataset):
             self.kind = ITERABLE
             self.description = "iterable"
-        elif _has_state(index_sampler):
+        elif self._stateful_obj is not None:
             self.kind = STATEFUL
-            self.description = f"stateful:{_qualname(index_sampler)}"
+            self.description = f"stateful:{_qualname(self._stateful_obj)}"
         else:
             builtin_batching = not auto_collation or type(batch_sampler) is BatchSampler
             if auto_collation and type(batch_sampler) is BatchSampler:
@@ -93,16 +102,21 @@ class IndexPlan:
     def sampler_state(self) -> Any:
         """The stateful sampler's own state (as of the tasks drawn so far), else None."""
         if self.kind == STATEFUL:
-            return self._index_sampler.state_dict()
+            return self._stateful_obj.state_dict()
         return None
 
     def epoch(
-        self, base_seed: int, epoch: int, start: int, sampler_state: Any = None
+        self,
+        base_seed: int,
+        epoch: int,
+        start: int,
+        sampler_state: Any = None,
+        sampler_done: bool = False,
     ) -> Iterator[Any]:
         """An iterator over the task indices of ``epoch``, starting at task ``start``.
 
         For ``stateful`` samplers, ``sampler_state`` (if given) is loaded first and ``start``
-        is ignored: the sampler's own state says where it is.
+        is the number of tasks already drawn in this epoch (their indices are in the state).
 
         Raises:
             IndexError: ``start`` lies beyond the end of a ``fastforward`` sampler's epoch.
@@ -111,8 +125,13 @@ class IndexPlan:
             return _forever()
         if self.kind == STATEFUL:
             if sampler_state is not None:
-                self._index_sampler.load_state_dict(sampler_state)
-            return iter(self._index_sampler)
+                self._stateful_obj.load_state_dict(sampler_state)
+            if sampler_done:
+                return iter(())  # drawn to the end; touching it now would start the next epoch
+            if self._stateful_obj is self._index_sampler:
+                return _EagerEnd(self._index_sampler, None, False, start)
+            bs, drop_last = self._batching()
+            return _EagerEnd(self._stateful_obj, bs, drop_last, start)
         if self.kind == FASTFORWARD:
             it = iter(self._index_sampler)
             for skipped in range(start):
@@ -190,3 +209,81 @@ class _BuiltinEpoch(Iterator[Any]):
         if order is None:
             return list(range(a, b))
         return order[a:b].tolist()
+
+
+class _EagerEnd(Iterator[Any]):
+    """Draws a stateful sampler's epoch so that its end is never ambiguous in a checkpoint.
+
+    Many samplers rewind their state (next epoch, position 0) when their iterator finishes,
+    and torch's BatchSampler finishes it while filling the last partial batch. A state taken
+    just then could not tell "epoch drawn out" from "next epoch not started". So, when the
+    sampler has a length, this draws exactly the items that remain and then finishes the
+    sampler's iterator at once, setting ``done`` in the same step: every checkpoint sees
+    either "not finished, not rewound" or "done".
+
+    Args:
+        sampler: the stateful sampler (or batch sampler, with ``batch_size=None``).
+        batch_size: group this many draws into one task; None: one draw is one task.
+        drop_last: drop a final partial group (its items are still drawn, as torch does).
+        tasks_drawn: tasks already drawn this epoch before the state was saved.
+    """
+
+    def __init__(self, sampler: Any, batch_size: int | None, drop_last: bool, tasks_drawn: int):
+        self._it = iter(sampler)
+        self._bs = batch_size
+        self._drop_last = drop_last
+        try:
+            self._total: int | None = len(sampler)
+        except TypeError:
+            self._total = None
+        self._drawn = tasks_drawn * (batch_size or 1)  # items drawn this epoch
+        self._pushed_back: list[Any] = []
+        self.done = False
+        if self._total is not None and self._drawn >= self._total:
+            self._finish()
+
+    def _next_item(self) -> Any:
+        if self._pushed_back:
+            return self._pushed_back.pop()
+        return next(self._it)
+
+    def _finish(self) -> None:
+        """Let the sampler's iterator end now (it may rewind its state)."""
+        try:
+            extra = next(self._it)
+        except StopIteration:
+            self.done = True
+        else:  # the sampler yields more than its len(): keep drawing as if len were unknown
+            self._pushed_back.append(extra)
+            self._total = None
+
+    def __next__(self) -> Any:
+        if self.done:
+            raise StopIteration
+        if self._bs is None:
+            try:
+                item = self._next_item()
+            except StopIteration:
+                self.done = True
+                raise
+            self._drawn += 1
+            if self._total is not None and self._drawn >= self._total:
+                self._finish()
+            return item
+        want = self._bs
+        if self._total is not None:
+            want = min(want, self._total - self._drawn)
+        batch = []
+        for _ in range(want):
+            try:
+                batch.append(self._next_item())
+            except StopIteration:
+                self.done = True
+                break
+        self._drawn += len(batch)
+        if not self.done and self._total is not None and self._drawn >= self._total:
+            self._finish()
+        if not batch or (self._drop_last and len(batch) < self._bs):
+            self.done = True
+            raise StopIteration
+        return batch

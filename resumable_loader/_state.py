@@ -10,9 +10,11 @@ is json-able) and msgpack (``dump_state``). Keys:
     epoch                 the epoch to continue (or start)
     consumed              batches of that epoch the user has consumed, in order
     delivered_ahead       task ids > consumed already delivered (in_order=False)
-    sampler_state, drawn, outstanding
+    sampler_state, drawn, sampler_done, outstanding
                           stateful user samplers only: the sampler's own state (as of ``drawn``
-                          batches), and the indices of drawn batches not yet consumed
+                          batches; ``sampler_done`` if its epoch was drawn to the end, after
+                          which many samplers rewind), and the indices of drawn batches not
+                          yet consumed
     workers, next_worker  iterable datasets only: per worker {id, delivered, exhausted,
                           dataset_state}; the worker whose batch comes next
     skipped               poison tasks skipped so far: [epoch, task id, indices]
@@ -37,6 +39,7 @@ K_CONSUMED = "consumed"
 K_AHEAD = "delivered_ahead"
 K_SAMPLER_STATE = "sampler_state"
 K_DRAWN = "drawn"
+K_SAMPLER_DONE = "sampler_done"
 K_OUTSTANDING = "outstanding"
 K_WORKERS = "workers"
 K_NEXT_WORKER = "next_worker"
@@ -77,6 +80,7 @@ class ResumePoint:
     ahead: frozenset[int] = frozenset()
     sampler_state: Any = None
     drawn: int = 0
+    sampler_done: bool = False
     outstanding: list[tuple[int, Any]] = field(default_factory=list)
     workers: list[WorkerPosition] = field(default_factory=list)
     next_worker: int = 0
@@ -140,6 +144,10 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     if stateful_sampler:
         rp.sampler_state = sd.get(K_SAMPLER_STATE)
         rp.drawn = _int(sd, K_DRAWN)
+        done = sd.get(K_SAMPLER_DONE, False)
+        if type(done) is not bool:
+            raise _fail(K_SAMPLER_DONE, f"expected a bool, got {done!r}", "the state is damaged")
+        rp.sampler_done = done
         out = sd.get(K_OUTSTANDING, [])
         if not isinstance(out, list) or not all(
             isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] < rp.drawn for x in out

@@ -285,9 +285,7 @@ class Supervisor:
                 f"(limit {limit}); workers are dying faster than they can do work. Check the "
                 "worker logs / dmesg for the OOM killer, lower num_workers or memory use."
             )
-        old_pid = slot.pid
         self._start(slot)
-        log.info("respawned worker %d: pid %d -> %d", slot.wid, old_pid, slot.pid)
 
     def _release(self, slot: WorkerSlot) -> None:
         """Unregister and close a slot's fds (its process must be gone or abandoned)."""
@@ -378,8 +376,9 @@ class Supervisor:
                 continue  # a dead worker's half-written pipe is never read: its tasks re-run
             try:
                 msg = slot.result_conn.recv()
-            except (EOFError, OSError) as exc:
-                dead[slot] = (f"closed its result pipe ({type(exc).__name__})", False)
+            except (EOFError, OSError):
+                # The writer is gone: a death, described by its exit status once reaped.
+                dead[slot] = ("", False)
                 continue
             except Exception as exc:
                 # e.g. the shared-memory fd of a tensor could not be fetched from a worker

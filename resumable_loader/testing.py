@@ -122,7 +122,8 @@ def check_resume(
     reference's, each exactly once.
 
     Args:
-        steps: only check these indices into the list of save points (default: all).
+        steps: only check these indices into the list of save points (default: all); indices
+            past the last save point are ignored.
 
     Returns:
         the number of save points checked.
@@ -132,7 +133,7 @@ def check_resume(
     """
     ref = reference if reference is not None else reference_stream(make_loader, epochs)
     points = _positions(ref, before_stop=True)
-    chosen = range(len(points)) if steps is None else steps
+    chosen = range(len(points)) if steps is None else [i for i in steps if 0 <= i < len(points)]
     make_resumed = make_resumed or make_loader
     for i in chosen:
         e, j, after_stop = points[i]

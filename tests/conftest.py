@@ -82,7 +82,6 @@ def no_leaks(request: pytest.FixtureRequest):
     if "allow_leaks" in request.keywords:
         yield
         return
-    gc.collect()
     children0, threads0, fds0, shm0 = _our_children(), _our_threads(), _fds(), _shm()
     yield
     leaked_children = _settle(lambda: _our_children() - children0)

@@ -1,0 +1,486 @@
+"""Command line tools: ``python -m resumable_loader inspect PATH [--key KEY] [--json]``.
+
+``inspect`` prints a readable summary of a saved loader state: where the loader stands (epoch,
+consumed tasks), what it will re-send (outstanding tasks), and what each worker carries. PATH is a
+file written from ``dump_state`` (recognised by its magic header) or by ``torch.save`` (loaded with
+``weights_only=True``, so inspecting an untrusted file runs no code from it).
+
+Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from resumable_loader._checkpoint import MAGIC, _encoded_size, load_state
+from resumable_loader._errors import CheckpointError
+
+# The value of the "format" key in a state written by resumable_loader.DataLoader.state_dict().
+STATE_FORMAT = "resumable_loader.DataLoader"
+
+# Top-level keys of the state schema, in the order the summary shows them.
+KNOWN_KEYS = (
+    "format",
+    "version",
+    "config",
+    "seed",
+    "epoch",
+    "consumed",
+    "delivered_ahead",
+    "outstanding",
+    "sampler_state",
+    "workers",
+    "next_worker",
+    "skipped",
+    "stats",
+)
+
+# How much of a long list the summary shows: enough to recognise a task, short enough to read.
+SHOW_TASKS = 5
+SHOW_INDICES = 8
+SHOW_KEYS = 20
+
+MISSING = "-"
+
+
+class CliError(Exception):
+    """Bad input: reported as one line on stderr with exit status 2, never as a traceback."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0 ok, 2 bad input or usage).
+
+    Args:
+        argv: the arguments after the program name; ``sys.argv[1:]`` when None.
+    """
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        run: Callable[[argparse.Namespace], int] = args.run
+        return run(args)
+    except CliError as exc:
+        print(f"{parser.prog} {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `... inspect x | head`: the reader left, which is not an error. Point stdout at
+        # /dev/null so the interpreter's flush at exit does not raise again (Python docs recipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m resumable_loader",
+        description="Tools for resumable_loader checkpoints.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    inspect = commands.add_parser(
+        "inspect",
+        help="summarise a saved loader state",
+        description=(
+            "Print a readable summary of a loader state saved with dump_state() or torch.save(). "
+            "torch.save files are loaded with weights_only=True."
+        ),
+    )
+    inspect.add_argument("path", metavar="PATH", help="a dump_state or torch.save file")
+    inspect.add_argument(
+        "--key",
+        help=(
+            "where the loader state sits inside the file, as a dotted path (e.g. 'loader' or "
+            "'train.loader'); by default the file itself, or the one loader state found in it"
+        ),
+    )
+    inspect.add_argument(
+        "--json",
+        action="store_true",
+        help=(
+            'print the whole state as JSON instead (bytes as {"$bytes": BASE64}; non-finite '
+            "floats as NaN/Infinity)"
+        ),
+    )
+    inspect.set_defaults(run=_inspect)
+    return parser
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    obj, source, from_dump = _load(args.path)
+    if args.key is not None:
+        state = _dig(obj, args.key, args.path)
+        source += f", key {args.key!r}"
+        if not isinstance(state, dict):
+            raise CliError(
+                f"the value at {args.key!r} in {args.path} is {_kind(state)}, not a loader "
+                "state (a dict); choose another --key"
+            )
+    elif isinstance(obj, dict) and (from_dump or _looks_like_state(obj)):
+        state = obj  # a dump_state file holds the state itself
+    else:
+        label, state = _find_state(obj, args.path)
+        source += f", loader state found at key {label!r}"
+    try:
+        if args.json:
+            text = json.dumps(_jsonable(state), indent=2, allow_nan=True)
+        else:
+            text = format_summary(state, f"{args.path} ({source})")
+    except RecursionError as exc:  # only a torch.save file can hold a reference cycle
+        raise CliError(f"the state in {args.path} holds itself or is nested too deeply") from exc
+    print(text)
+    return 0
+
+
+def _load(path: str) -> tuple[Any, str, bool]:
+    """Read PATH as a dump_state or torch.save file: (object, description, is a dump file)."""
+    try:
+        with open(path, "rb") as f:
+            # Sniff first: a torch.save training checkpoint can be gigabytes, and torch.load
+            # reads it itself.
+            is_dump = f.read(len(MAGIC)) == MAGIC
+            data = f.read() if is_dump else b""
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if is_dump:
+        try:
+            state = load_state(MAGIC + data)
+        except CheckpointError as exc:
+            raise CliError(f"{path}: {exc}") from exc
+        return state, f"dump_state file, {len(MAGIC) + len(data)} bytes, checksum ok", True
+    try:
+        import torch
+    except ImportError as exc:
+        raise CliError(
+            f"{path} does not start with the dump_state magic {MAGIC!r}, and torch (needed to "
+            "read torch.save files) is not installed"
+        ) from exc
+    try:
+        obj = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise CliError(
+            f"{path} is neither a dump_state file (no {MAGIC!r} magic) nor a file that "
+            f"torch.load(weights_only=True) reads ({type(exc).__name__}: "
+            f"{_first_line(str(exc))})"
+        ) from exc
+    return obj, "torch.save file", False
+
+
+def _looks_like_state(obj: dict[Any, Any]) -> bool:
+    # A state without a "format" key (hand-made, or from an older writer) still has several of
+    # the schema's keys; a training checkpoint that merely contains a state has few.
+    return obj.get("format") == STATE_FORMAT or len(set(KNOWN_KEYS) & set(obj)) >= 3
+
+
+def _find_state(obj: Any, path: str) -> tuple[str, dict[Any, Any]]:
+    """The one loader state in ``obj`` (searched two levels deep), with its dotted key."""
+    found: list[tuple[str, dict[Any, Any]]] = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if not isinstance(value, dict):
+                continue
+            if _looks_like_state(value):
+                found.append((str(key), value))
+                continue
+            found.extend(
+                (f"{key}.{sub}", inner)
+                for sub, inner in value.items()
+                if isinstance(inner, dict) and _looks_like_state(inner)
+            )
+    if len(found) == 1:
+        return found[0]
+    if found:
+        labels = [label for label, _ in found]
+        raise CliError(
+            f"{path} holds several loader states ({_list_keys(labels)}); choose one with --key"
+        )
+    raise CliError(
+        f"no loader state found in {path}; pass --key to say where it is ({_top_level(obj)})"
+    )
+
+
+def _dig(obj: Any, dotted: str, path: str) -> Any:
+    """Follow a dotted key ('train.loader', 'states.0') into nested dicts and lists."""
+    current = obj
+    walked: list[str] = []
+    for part in dotted.split("."):
+        where = repr(".".join(walked)) if walked else "the top level"
+        if isinstance(current, dict):
+            if part in current:
+                current = current[part]
+            elif _is_int(part) and int(part) in current:
+                current = current[int(part)]
+            else:
+                keys = f"{where} has keys: {_list_keys(current)}" if walked else ""
+                raise CliError(
+                    f"no key {dotted!r} in {path}: "
+                    + (f"{keys}; {_top_level(obj)}" if keys else _top_level(obj))
+                )
+        elif isinstance(current, (list, tuple)) and _is_int(part) and int(part) < len(current):
+            current = current[int(part)]
+        else:
+            raise CliError(
+                f"no key {dotted!r} in {path}: {where} is {_kind(current)}, which has no key "
+                f"{part!r}; {_top_level(obj)}"
+            )
+        walked.append(part)
+    return current
+
+
+def _top_level(obj: Any) -> str:
+    if isinstance(obj, dict):
+        return f"top-level keys: {_list_keys(obj)}" if obj else "the file holds an empty dict"
+    return f"the file holds {_kind(obj)}, not a dict"
+
+
+def _list_keys(keys: Any) -> str:
+    names = [repr(k) if not isinstance(k, str) else k for k in keys]
+    shown = ", ".join(names[:SHOW_KEYS])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > SHOW_KEYS else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary. Every field may be missing or of the wrong type (a hand-edited file, a state from
+# another writer): each one is shown as "-" when absent and generically when it is not what the
+# schema says, so inspecting never fails on the contents of a state.
+
+
+def format_summary(state: dict[Any, Any], source: str = "") -> str:
+    """A readable multi-line summary of a loader state dict."""
+    out = _Lines()
+    out.line(f"resumable_loader state: {source}" if source else "resumable_loader state")
+    fmt, version = state.get("format", MISSING), state.get("version", MISSING)
+    out.field("format", f"{_scalar(fmt)}, version {_scalar(version)}")
+    if isinstance(fmt, str) and fmt != STATE_FORMAT:
+        out.line(f"  (not {STATE_FORMAT!r}: fields below may mean something else)")
+
+    config = state.get("config", MISSING)
+    out.line("config")
+    if isinstance(config, dict):
+        _config_lines(out, config)
+    else:
+        out.field("  (config)", _describe(config))
+
+    out.field("seed", _scalar(state.get("seed", MISSING)))
+    out.field("epoch", _scalar(state.get("epoch", MISSING)))
+    consumed = state.get("consumed", MISSING)
+    ahead = state.get("delivered_ahead", MISSING)
+    out.field(
+        "position",
+        f"{_scalar(consumed)} tasks consumed; delivered ahead: {_int_list(ahead, SHOW_INDICES)}",
+    )
+    _outstanding_lines(out, state.get("outstanding", MISSING))
+    sampler_state = state.get("sampler_state", MISSING)
+    if sampler_state is MISSING or sampler_state is None:
+        out.field("sampler_state", "absent" if sampler_state is None else MISSING)
+    else:
+        out.field("sampler_state", f"present: {_describe(sampler_state)}")
+    _worker_lines(out, state.get("workers", MISSING), state.get("next_worker", MISSING))
+    _skipped_lines(out, state.get("skipped", MISSING))
+    stats = state.get("stats", MISSING)
+    if isinstance(stats, dict):
+        items = list(stats.items())
+        text = ", ".join(f"{k}={_scalar(v)}" for k, v in items[:SHOW_KEYS])
+        out.field("stats", (text + (", ..." if len(items) > SHOW_KEYS else "")) or "(empty)")
+    else:
+        out.field("stats", _describe(stats))
+
+    extra = [k for k in state if k not in KNOWN_KEYS]
+    if extra:
+        out.line(f"other keys ({len(extra)})")
+        for key in extra[:SHOW_KEYS]:
+            out.field(f"  {_clip(str(key), 12)}", _describe(state[key]))
+        if len(extra) > SHOW_KEYS:
+            out.line(f"  ... {len(extra) - SHOW_KEYS} more")
+    return out.text()
+
+
+def _config_lines(out: _Lines, config: dict[Any, Any]) -> None:
+    def get(key: str) -> str:
+        return _scalar(config.get(key, MISSING))
+
+    kind = config.get("dataset_kind", MISSING)
+    length = config.get("dataset_len", MISSING)
+    if type(length) is int:
+        size = f"{length} samples"
+    else:
+        size = "length unknown" if length is None else f"length {_scalar(length)}"
+    out.field("  dataset", f"{_scalar(kind)}, {size}")
+    out.field("  batch_size", f"{get('batch_size')} (drop_last: {get('drop_last')})")
+    out.field("  sampler", get("sampler"))
+    out.field("  num_workers", get("num_workers"))
+    out.field("  distributed", f"rank {get('rank')} of world size {get('world_size')}")
+    known = {"dataset_kind", "dataset_len", "batch_size", "drop_last", "sampler"}
+    known |= {"num_workers", "world_size", "rank"}
+    for key, value in config.items():
+        if key not in known:
+            out.field(f"  {_clip(str(key), 12)}", _describe(value))
+
+
+def _outstanding_lines(out: _Lines, outstanding: Any) -> None:
+    if not isinstance(outstanding, list):
+        out.field("outstanding", _describe(outstanding))
+        return
+    out.field("outstanding", f"{len(outstanding)} tasks")
+    for entry in outstanding[:SHOW_TASKS]:
+        if isinstance(entry, list) and len(entry) == 2:
+            task_id, indices = entry
+            out.line(f"{'':17}task {_scalar(task_id)}: {_indices(indices)}")
+        else:
+            out.line(f"{'':17}{_describe(entry)}")
+    if len(outstanding) > SHOW_TASKS:
+        out.line(f"{'':17}... {len(outstanding) - SHOW_TASKS} more")
+
+
+def _worker_lines(out: _Lines, workers: Any, next_worker: Any) -> None:
+    if not isinstance(workers, list):
+        out.field("workers", f"{_describe(workers)} (next: {_scalar(next_worker)})")
+        return
+    out.field("workers", f"{len(workers)} (next: {_scalar(next_worker)})")
+    if not workers:
+        return
+    out.line(f"  {'id':>4}  {'delivered':>9}  {'exhausted':<9}  dataset_state")
+    for worker in workers:
+        if not isinstance(worker, dict):
+            out.line(f"  {_describe(worker)}")
+            continue
+        exhausted = worker.get("exhausted", MISSING)
+        flag = "yes" if exhausted is True else "no" if exhausted is False else _scalar(exhausted)
+        dataset_state = worker.get("dataset_state", MISSING)
+        ds = "None" if dataset_state is None else _describe(dataset_state)
+        out.line(
+            f"  {_scalar(worker.get('id', MISSING)):>4}  "
+            f"{_scalar(worker.get('delivered', MISSING)):>9}  {flag:<9}  {ds}"
+        )
+
+
+def _skipped_lines(out: _Lines, skipped: Any) -> None:
+    if not isinstance(skipped, list):
+        out.field("skipped", _describe(skipped))
+        return
+    out.field("skipped", f"{len(skipped)} poison tasks" if skipped else "none")
+    for entry in skipped[:SHOW_TASKS]:
+        if isinstance(entry, list) and len(entry) == 3:
+            epoch, task_id, indices = entry
+            line = f"epoch {_scalar(epoch)} task {_scalar(task_id)}: {_indices(indices)}"
+            out.line(f"{'':17}{line}")
+        else:
+            out.line(f"{'':17}{_describe(entry)}")
+    if len(skipped) > SHOW_TASKS:
+        out.line(f"{'':17}... {len(skipped) - SHOW_TASKS} more")
+
+
+class _Lines:
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+
+    def line(self, text: str) -> None:
+        self._lines.append(text)
+
+    def field(self, name: str, value: str) -> None:
+        self._lines.append(f"{name:<16} {value}")
+
+    def text(self) -> str:
+        return "\n".join(self._lines)
+
+
+def _scalar(value: Any) -> str:
+    """A short rendering of a value expected to be a scalar; '-' when it is missing."""
+    if value is MISSING:
+        return MISSING
+    if isinstance(value, str):
+        return _clip(value, 60)
+    return _describe(value)
+
+
+def _indices(indices: Any) -> str:
+    if not isinstance(indices, list):
+        return _describe(indices)
+    return f"{len(indices)} indices {_int_list(indices, SHOW_INDICES)}"
+
+
+def _int_list(values: Any, limit: int) -> str:
+    if not isinstance(values, list):
+        return _describe(values)
+    shown = ", ".join(_clip(_scalar(v), 20) for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+def _describe(value: Any) -> str:
+    """One line saying what a value is: type, size, first keys, encoded size."""
+    if value is MISSING:
+        return MISSING
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(_clip(value, 60))
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        keys = [_clip(str(k), 20) for k in list(value)[:6]]
+        more = ", ..." if len(value) > 6 else ""
+        text = f"dict, {len(value)} keys" + (f" ({', '.join(keys)}{more})" if keys else "")
+        return text + _size_suffix(value)
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}" + _size_suffix(value)
+    kind = type(value)
+    shape = getattr(value, "shape", None)
+    return f"{kind.__module__}.{kind.__qualname__}" + (f" {tuple(shape)}" if shape else "")
+
+
+def _size_suffix(value: Any) -> str:
+    size = _encoded_size(value)
+    return "" if size is None else f", {_human_bytes(size)}"
+
+
+def _human_bytes(size: int) -> str:
+    if size < 1024:
+        return f"{size} B"
+    if size < 1024**2:
+        return f"{size / 1024:.1f} KiB"
+    return f"{size / 1024**2:.1f} MiB"
+
+
+def _jsonable(value: Any) -> Any:
+    """A JSON-ready copy: bytes as {"$bytes": base64}, keys as str, other objects by repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        return {
+            k if isinstance(k, (str, int)) and not isinstance(k, bool) else repr(k): _jsonable(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return {"$repr": _clip(repr(value), 200)}
+
+
+def _kind(value: Any) -> str:
+    return f"a {type(value).__name__}"
+
+
+def _is_int(text: str) -> bool:
+    return text.lstrip("-").isdigit()
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return _clip(lines[0], 200) if lines else "no message"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,467 @@
+"""The byte codec for loader states: ``dump_state`` and ``load_state``.
+
+A loader state is plain data (None, bool, int, float, str, bytes, list, dict with str or int
+keys). ``dump_state`` turns one into bytes that ``load_state`` turns back into an equal dict, and
+``load_state`` refuses everything else with a :class:`CheckpointError` -- never another exception,
+never code execution, never an allocation the input does not justify.
+
+Byte layout (all integers little-endian)::
+
+    offset  size  field
+         0     8  magic            b"RLSTATE\\0" -- tells a state file from a zip/pickle/torch file
+         8     2  codec version    uint16, currently 1
+        10     2  flags            uint16, 0 in version 1 (room for e.g. compression)
+        12     4  reserved         uint32, 0 in version 1
+        16     8  payload length   uint64, the exact number of bytes after the header
+        24    16  checksum         blake2b (digest_size=16) of bytes 0..23 followed by the payload
+        40     n  payload          msgpack (bin type for bytes, str as UTF-8), one map
+
+The checksum covers the header fields as well as the payload, so a flipped bit anywhere except in
+the magic or the version is reported as corruption. It detects accidents (a torn write, a flipped
+bit, a concatenated file); it is not a signature -- anyone can write a file that passes it, which
+is harmless because decoding such a file still only ever produces plain data.
+
+The codec version is the version of this byte layout; the ``"version"`` key inside a loader state
+is the version of the state's schema, checked by the loader, not here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any, NoReturn
+
+import msgpack
+
+from resumable_loader._errors import CheckpointError
+
+__all__ = ["dump_state", "load_state"]
+
+# Eight bytes that no pickle, zip (torch.save), gzip or JSON file starts with; the NUL keeps a
+# state from being mistaken for text.
+MAGIC = b"RLSTATE\0"
+
+# Bumped only when the byte layout changes incompatibly; a reader refuses a version it does not
+# know rather than guessing, and says to upgrade.
+CODEC_VERSION = 1
+
+# No flags are defined in version 1. A reader refuses unknown flags (after the checksum has shown
+# the header is intact) because a flag may change how the payload must be read.
+CODEC_FLAGS = 0
+
+# magic, version, flags, reserved, payload length, checksum.
+HEADER = struct.Struct("<8sHHIQ16s")
+HEADER_SIZE = HEADER.size  # 40
+
+# blake2b with a 16-byte digest: a CRC32 misses some multi-bit errors and has only 2**32 values;
+# 128 bits of a cryptographic hash miss no realistic corruption, at several hundred MB/s.
+CHECKSUM_SIZE = 16
+
+# The checksum covers the header up to (not including) the checksum field.
+_CHECKSUMMED_HEADER = HEADER_SIZE - CHECKSUM_SIZE
+
+# msgpack integers: int64 for negatives, uint64 for non-negatives.
+INT_MIN = -(2**63)
+INT_MAX = 2**64 - 1
+
+# Nesting limit for containers. Real states nest about six levels; user state rarely more than a
+# handful. 256 stays far below msgpack's decoder stack (1024) and Python's recursion limit, which
+# json.dumps and pickle (torch.save) hit on deeper data, and it stops a reference cycle early.
+MAX_DEPTH = 256
+
+_SCALARS = (type(None), bool, float, bytes)
+
+# A path node: (parent node, key or index), or None for the root. Kept as a linked list so that
+# walking a large state allocates one small tuple per container, not one path string per value.
+_Where = tuple[Any, Any] | None
+
+
+class _NotPlain(Exception):
+    """A value found by the walk that is not plain data; turned into a CheckpointError."""
+
+    def __init__(self, where: _Where, problem: str, hint: str) -> None:
+        super().__init__(problem)
+        self.where = where
+        self.problem = problem
+        self.hint = hint
+
+    def describe(self, root: str) -> str:
+        return f"{_render_path(root, self.where)}: {self.problem}"
+
+
+def dump_state(sd: dict[Any, Any]) -> bytes:
+    """Encode a loader state as bytes that :func:`load_state` turns back into an equal dict.
+
+    Args:
+        sd: the state, a dict of plain data: None, bool, int (from -2**63 to 2**64-1), float,
+            str, bytes, list and dict with str or int keys, at most ``MAX_DEPTH`` (256)
+            containers deep, the state dict itself included.
+            Tuples are accepted and encoded as lists (they come back as lists). Dict subclasses
+            such as ``OrderedDict`` are accepted and come back as plain dicts. Nothing else is:
+            not numpy arrays or scalars, tensors, sets, bytearrays, enums or namedtuples.
+
+    Returns:
+        The header (magic, codec version, length, checksum) followed by the msgpack payload.
+
+    Raises:
+        CheckpointError: ``sd`` is not a dict, or holds something that is not plain data; the
+            message names the path of the offending value (``state['workers'][1]...``) and how
+            to fix it.
+    """
+    if not isinstance(sd, dict):
+        raise CheckpointError(
+            f"dump_state() expects the dict returned by state_dict(), got {_type_name(sd)}"
+        )
+    try:
+        _walk(sd, decoded=False)
+    except _NotPlain as exc:
+        raise CheckpointError(f"{exc.describe('state')}; {exc.hint}") from None
+    try:
+        payload = msgpack.packb(sd, use_bin_type=True, datetime=False)
+    except Exception as exc:  # the walk admits only what msgpack packs; kept for the contract
+        raise CheckpointError(f"could not encode the state as msgpack: {exc}") from exc
+    return _frame(payload)
+
+
+def load_state(data: bytes | bytearray | memoryview) -> dict[Any, Any]:
+    """Decode bytes written by :func:`dump_state`.
+
+    Decoding runs no code from the input (no pickle, msgpack extension types are refused) and
+    allocates memory in proportion to the input: the declared payload length is checked against
+    the actual length first, and msgpack's size limits are set from it.
+
+    Args:
+        data: the bytes of a state, e.g. ``open(path, "rb").read()``.
+
+    Returns:
+        The state dict, holding only plain data (lists where tuples were dumped).
+
+    Raises:
+        CheckpointError: for every malformed input -- wrong argument type, empty, truncated,
+            foreign bytes, a newer codec version, a checksum mismatch, trailing bytes, a payload
+            that is not plain msgpack data. The message says what was wrong and what to do; when
+            msgpack itself raised, its exception is the ``__cause__``.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CheckpointError(
+            f"load_state() expects bytes, got {_type_name(data)}; to load a file, pass its "
+            "contents: load_state(open(path, 'rb').read())"
+        )
+    try:
+        # One copy: it works for any memoryview (non-contiguous, any format) and keeps a buffer
+        # that another thread mutates from changing under the checksum.
+        buf = bytes(data)
+    except (ValueError, TypeError, BufferError) as exc:
+        raise CheckpointError(f"could not read the buffer passed to load_state(): {exc}") from exc
+
+    flags, reserved, declared, checksum = _read_header(buf)
+    actual = len(buf) - HEADER_SIZE
+    if declared > actual:
+        _fail(
+            f"truncated: the header declares a {declared}-byte payload but only {actual} bytes "
+            "follow it; the file was cut short (interrupted write or partial copy) -- use an "
+            "earlier checkpoint"
+        )
+    if declared < actual:
+        _fail(
+            f"{actual - declared} unexpected trailing bytes after the {declared}-byte payload; "
+            "the file was appended to or concatenated with something else -- use an earlier "
+            "checkpoint, or cut the file to its first "
+            f"{HEADER_SIZE + declared} bytes if you know the extra bytes were appended"
+        )
+    payload = buf[HEADER_SIZE:]
+    if _checksum(buf[:_CHECKSUMMED_HEADER], payload) != checksum:
+        _fail(
+            "checksum mismatch: the state is corrupt (its bytes changed after dump_state wrote "
+            "them -- a disk or transfer error, or an edit); use an earlier checkpoint"
+        )
+    if flags != CODEC_FLAGS or reserved != 0:
+        _fail(
+            f"the header uses flags {flags:#06x} / reserved {reserved:#010x} that codec version "
+            f"{CODEC_VERSION} does not define; it was written by a newer resumable_loader -- "
+            "upgrade resumable_loader to load it"
+        )
+    state = _decode_payload(payload)
+    if not isinstance(state, dict):
+        _fail(
+            f"the payload decodes to {_type_name(state)}, not a dict; it was not written by "
+            "dump_state -- use a file that was"
+        )
+    return state
+
+
+def _read_header(buf: bytes) -> tuple[int, int, int, bytes]:
+    """Check the magic and the codec version; return flags, reserved, length and checksum."""
+    n = len(buf)
+    if n == 0:
+        _fail(
+            "empty input (0 bytes); the state was never written or was truncated to nothing -- "
+            "use an earlier checkpoint"
+        )
+    if buf[: len(MAGIC)] != MAGIC[:n]:
+        _fail(
+            f"not a resumable_loader state: {_sniff(buf)}; load_state() reads only the bytes "
+            "that dump_state() writes"
+        )
+    if n < HEADER_SIZE:
+        _fail(
+            f"truncated: {n} bytes, but the header alone is {HEADER_SIZE} bytes; the file was "
+            "cut short (interrupted write or partial copy) -- use an earlier checkpoint"
+        )
+    _magic, version, flags, reserved, declared, checksum = HEADER.unpack_from(buf)
+    if version != CODEC_VERSION:
+        if version > CODEC_VERSION:
+            _fail(
+                f"state codec version {version} is newer than this resumable_loader reads "
+                f"(version {CODEC_VERSION}); upgrade resumable_loader to load it (or, if no "
+                "newer version wrote it, the header is corrupt)"
+            )
+        _fail(
+            f"state codec version {version} does not exist (versions start at 1); the header is "
+            "corrupt -- use an earlier checkpoint"
+        )
+    return flags, reserved, declared, checksum
+
+
+def _decode_payload(payload: bytes) -> object:
+    limit = len(payload)  # no string, array or map can be longer than the bytes that hold it
+    try:
+        obj = msgpack.unpackb(
+            payload,
+            raw=False,
+            use_list=True,
+            strict_map_key=False,  # int keys are allowed; _dict_from_pairs checks every key
+            object_pairs_hook=_dict_from_pairs,
+            ext_hook=_refuse_ext,
+            timestamp=0,  # timestamps bypass ext_hook; they decode to Timestamp, refused below
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_array_len=limit,
+            max_map_len=limit,
+            max_ext_len=limit,
+        )
+    except CheckpointError:
+        raise
+    except Exception as exc:  # ValueError, ExtraData, FormatError, StackError, TypeError, ...
+        raise CheckpointError(
+            f"the payload is not valid msgpack although its checksum matches "
+            f"({_describe_exc(exc)}); it was written by something other "
+            "than dump_state -- use a file that dump_state wrote"
+        ) from exc
+    try:
+        _walk(obj, decoded=True)
+    except _NotPlain as exc:
+        raise CheckpointError(
+            f"the payload holds data dump_state never writes, at {exc.describe('state')}; use a "
+            "file that dump_state wrote"
+        ) from None
+    return obj
+
+
+def _dict_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    # msgpack would build the dict itself; doing it here refuses unhashable (list, map) and
+    # non-str/int keys with a clear message, and duplicate keys instead of silently keeping the
+    # last one.
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if type(key) is not str and type(key) is not int:
+            _fail(
+                f"the payload has a map key of type {_type_name(key)}; dump_state writes only "
+                "str and int keys -- use a file that dump_state wrote"
+            )
+        if key in out:
+            _fail(
+                f"the payload has the map key {_clip(repr(key), 60)} twice; dump_state never "
+                "writes that -- use a file that dump_state wrote"
+            )
+        out[key] = value
+    return out
+
+
+def _refuse_ext(code: int, data: bytes) -> NoReturn:
+    _fail(
+        f"the payload holds a msgpack extension value (type code {code}, {len(data)} bytes); "
+        "dump_state never writes extension types and load_state does not decode them -- use a "
+        "file that dump_state wrote"
+    )
+
+
+def _walk(root: object, *, decoded: bool) -> None:
+    """Raise _NotPlain at the first value under ``root`` that is not plain data.
+
+    Iterative, so that depth is limited by ``MAX_DEPTH`` rather than by Python's recursion limit.
+    ``decoded`` is true for the output of msgpack, which needs no range or encoding checks.
+    """
+    stack: list[tuple[object, _Where, int]] = [(root, None, 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        kind = type(value)
+        if kind is str:
+            if not decoded:
+                _check_str(value, where, "str")  # type: ignore[arg-type]
+        elif kind is int:
+            if not decoded:
+                _check_int(value, where)  # type: ignore[arg-type]
+        elif kind in _SCALARS:
+            pass
+        elif kind is list or (kind is tuple and not decoded):
+            if depth >= MAX_DEPTH:
+                raise _NotPlain(where, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
+            items: list[Any] | tuple[Any, ...] = value  # type: ignore[assignment]
+            if _leaves_are_plain(items, decoded):
+                continue
+            stack.extend((item, (where, i), depth + 1) for i, item in enumerate(items))
+        elif isinstance(value, dict) and (kind is dict or not decoded):
+            if depth >= MAX_DEPTH:
+                raise _NotPlain(where, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
+            for key, item in value.items():
+                if type(key) is str:
+                    if not decoded:
+                        _check_str(key, where, "dict key")
+                elif type(key) is int:
+                    if not decoded:
+                        _check_int(key, where, what="dict key")
+                else:
+                    raise _NotPlain(
+                        where,
+                        f"dict key {_clip(repr(key), 60)} has type {_type_name(key)}",
+                        "dict keys must be str or int; convert the key with str() or int()",
+                    )
+                stack.append((item, (where, key), depth + 1))
+        else:
+            raise _NotPlain(where, f"type {_type_name(value)} is not plain data", _hint(value))
+
+
+_DEPTH_HINT = "flatten the state (or break the reference cycle, if it holds itself)"
+
+_LEAF_TYPES = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _leaves_are_plain(items: list[Any] | tuple[Any, ...], decoded: bool) -> bool:
+    """Fast path for a list of scalars (sample indices, floats, names): checked at C speed.
+
+    False means "look at each item", not "invalid": the walk then finds the item at fault.
+    """
+    kinds = set(map(type, items))
+    if not kinds <= _LEAF_TYPES:
+        return False
+    if decoded:
+        return True  # msgpack produced them: in range and valid UTF-8 by construction
+    if kinds == {int}:
+        return min(items) >= INT_MIN and max(items) <= INT_MAX
+    if kinds == {str}:
+        return all(map(str.isascii, items))
+    return int not in kinds and str not in kinds
+
+
+def _check_int(value: int, where: _Where, what: str = "int") -> None:
+    if not INT_MIN <= value <= INT_MAX:
+        raise _NotPlain(
+            where,
+            f"{what} {_clip(repr(value), 60)} is outside the range msgpack can store "
+            "(-2**63 to 2**64-1)",
+            "store it as a str, or split it into smaller ints",
+        )
+
+
+def _check_str(value: str, where: _Where, what: str) -> None:
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _NotPlain(
+            where,
+            f"{what} {_clip(repr(value), 60)} cannot be encoded as UTF-8 ({exc.reason})",
+            "it holds a lone surrogate; store the raw data as bytes instead",
+        ) from None
+
+
+def _hint(value: object) -> str:
+    """What to do with a value that is not plain data."""
+    if isinstance(value, (bool, int, float, str, bytes)):
+        base = next(t for t in (bool, int, float, str, bytes) if isinstance(value, t)).__name__
+        return f"convert it with {base}() in your state_dict() (subclasses are not plain data)"
+    if isinstance(value, tuple):
+        return "convert it to a list or a dict in your state_dict() (its field names would be lost)"
+    if isinstance(value, (bytearray, memoryview)):
+        return "convert it to bytes in your state_dict()"
+    if isinstance(value, (set, frozenset)):
+        return "convert it to a sorted list in your state_dict()"
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy scalars, 0-d tensors
+        return "convert it with .item() in your state_dict()"
+    if hasattr(value, "tolist"):  # numpy arrays, torch tensors
+        return "convert it to a list (.tolist()) or bytes in your state_dict()"
+    return "convert it to None, bool, int, float, str, bytes, list or dict in your state_dict()"
+
+
+def _render_path(root: str, where: _Where) -> str:
+    keys: list[Any] = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    keys.reverse()
+    parts = [f"[{_clip(repr(k), 40)}]" for k in keys]
+    if len(parts) > 16:  # a path into deeply nested data: the ends say where it is
+        parts = [*parts[:6], f"...{len(parts) - 12} more...", *parts[-6:]]
+    return root + "".join(parts)
+
+
+def _frame(payload: bytes) -> bytes:
+    """Prefix a msgpack payload with the header; the inverse of the checks in load_state."""
+    prefix = HEADER.pack(MAGIC, CODEC_VERSION, CODEC_FLAGS, 0, len(payload), b"")
+    prefix = prefix[:_CHECKSUMMED_HEADER]
+    return prefix + _checksum(prefix, payload) + payload
+
+
+def _checksum(header_prefix: bytes, payload: bytes) -> bytes:
+    h = hashlib.blake2b(header_prefix, digest_size=CHECKSUM_SIZE)
+    h.update(payload)
+    return h.digest()
+
+
+def _encoded_size(value: object) -> int | None:
+    """Bytes the msgpack encoding of ``value`` takes, or None if it is not plain data."""
+    try:
+        _walk(value, decoded=False)
+        return len(msgpack.packb(value, use_bin_type=True, datetime=False))
+    except Exception:
+        return None
+
+
+# Foreign formats worth naming when the magic does not match: (prefix, what it is, what to do).
+_FOREIGN = (
+    (b"PK\x03\x04", "a zip archive -- a torch.save file?", "load it with torch.load()"),
+    (b"\x80", "a pickle -- a legacy torch.save file?", "load it with torch.load()"),
+    (b"\x1f\x8b", "gzip-compressed", "decompress it first"),
+    (b"{", "JSON text?", "load it with json.load()"),
+)
+
+
+def _sniff(buf: bytes) -> str:
+    if len(buf) < len(MAGIC):
+        return f"only {len(buf)} bytes, which do not start with the {MAGIC!r} magic"
+    for prefix, what, todo in _FOREIGN:
+        if buf.startswith(prefix):
+            return f"it starts with {buf[:4]!r}, which looks like {what} ({todo})"
+    return f"it starts with {buf[: len(MAGIC)]!r}, not the {MAGIC!r} magic"
+
+
+def _type_name(value: object) -> str:
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _describe_exc(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())  # one line, whatever the exception put in its message
+    return f"{type(exc).__name__}: {_clip(text, 200)}" if text else type(exc).__name__
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fail(message: str) -> NoReturn:
+    raise CheckpointError(message)

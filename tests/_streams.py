@@ -1,0 +1,158 @@
+"""Picklable streams and samplers with state, for the state and supervisor tests.
+
+``Shard(n, record=None)``         the values worker k of W owns: k, k+W, ... < n + 3k (uneven:
+                                  workers end at different times); every item also carries draws
+                                  from python/numpy/torch RNGs; ``record`` appends each produced
+                                  value to a file (O_APPEND) to prove nothing is read twice.
+``StatefulShard``                 ``Shard`` with ``state_dict``/``load_state_dict`` (a cursor;
+                                  rewinds itself when its generator ends, as many datasets do).
+``IteratorStateShard``            state on the iterator object instead of the dataset.
+``StatefulSampler(n, seed)``      a user sampler with its own ``state_dict`` (epoch + position).
+``NoStateSampler(n)``             a custom sampler without state (fast-forwarded on resume).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, Sampler, get_worker_info
+
+
+def _shard(n: int) -> list[int]:
+    info = get_worker_info()
+    w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+    return list(range(w, n + 3 * w, nw))
+
+
+def _item(v: int) -> torch.Tensor:
+    return torch.tensor(
+        [v, random.randint(0, 10**6), int(np.random.randint(0, 10**6)), int(torch.randint(0, 10**6, ()))]
+    )
+
+
+def _record(path: str | None, v: int) -> None:
+    if path is not None:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{v}\n".encode())
+        finally:
+            os.close(fd)
+
+
+def read_values(path: str) -> list[int]:
+    try:
+        with open(path) as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+class Shard(IterableDataset):
+    def __init__(self, n: int, record: str | None = None) -> None:
+        self.n = n
+        self.record = record
+
+    def __iter__(self):
+        for v in _shard(self.n):
+            _record(self.record, v)
+            yield _item(v)
+
+
+class StatefulShard(Shard):
+    def __init__(self, n: int, record: str | None = None) -> None:
+        super().__init__(n, record)
+        self.pos = 0
+
+    def __iter__(self):
+        values = _shard(self.n)
+        while self.pos < len(values):
+            v = values[self.pos]
+            self.pos += 1
+            _record(self.record, v)
+            yield _item(v)
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "big": list(range(8))}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+class _ShardIter:
+    def __init__(self, n: int) -> None:
+        self.values = _shard(n)
+        self.pos = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos >= len(self.values):
+            raise StopIteration
+        v = self.values[self.pos]
+        self.pos += 1
+        return _item(v)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+class IteratorStateShard(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return _ShardIter(self.n)
+
+
+class StatefulSampler(Sampler[int]):
+    """Shuffles with its own seed per epoch; its state is (epoch, position)."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n = n
+        self.seed = seed
+        self.epoch = 0
+        self.pos = 0
+        self.state_dict_calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        while self.pos < self.n:
+            i = order[self.pos]
+            self.pos += 1
+            yield i
+        self.pos = 0
+        self.epoch += 1
+
+    def state_dict(self) -> dict:
+        self.state_dict_calls += 1
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch = sd["epoch"]
+        self.pos = sd["pos"]
+
+
+class NoStateSampler(Sampler[int]):
+    """Odd indices then even ones: custom, deterministic, no state methods."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        yield from range(1, self.n, 2)
+        yield from range(0, self.n, 2)

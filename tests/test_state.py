@@ -1,0 +1,351 @@
+"""state_dict()/load_state_dict(): exact resume, compared with an uninterrupted run.
+
+Every resume test goes through ``resumable_loader.testing.check_resume``: run uninterrupted;
+for each save point k, consume k batches, save, rebuild, load, run on, and compare the rest of
+this epoch and the next with the reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from _datasets import RandomAugDataset, RecordingDataset, VariableBatchSampler, read_records
+from _streams import (
+    IteratorStateShard,
+    NoStateSampler,
+    Shard,
+    StatefulSampler,
+    StatefulShard,
+    read_values,
+)
+
+import resumable_loader
+from resumable_loader import CheckpointError, DataLoader
+from resumable_loader.testing import canonical, check_resume, reference_stream, roundtrip_state
+
+N = 19  # odd on purpose: a partial last batch
+
+
+def gen(seed: int = 1234) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+MAP_CONFIGS = {
+    "w0": dict(num_workers=0, batch_size=3),
+    "w0-shuffle-droplast": dict(num_workers=0, batch_size=4, shuffle=True, drop_last=True),
+    "w2-shuffle": dict(num_workers=2, batch_size=3, shuffle=True),
+    "w2-persistent-pf1": dict(num_workers=2, batch_size=3, shuffle=True, persistent_workers=True, prefetch_factor=1),
+    "w3-pf3": dict(num_workers=3, batch_size=4, prefetch_factor=3, shuffle=True),
+    "w2-bsNone": dict(num_workers=2, batch_size=None, shuffle=True),
+    "w2-batch-sampler": dict(num_workers=2, batch_sampler=VariableBatchSampler(N, [1, 4, 2])),
+    "w2-no-state-sampler": dict(num_workers=2, batch_size=3, sampler=NoStateSampler(N)),
+    "w2-replacement": dict(
+        num_workers=2, batch_size=3, sampler=torch.utils.data.RandomSampler(range(N), replacement=True, num_samples=13)
+    ),
+    "w2-unordered": dict(num_workers=2, batch_size=2, shuffle=True, in_order=False),
+    "w3-unordered-persistent": dict(num_workers=3, batch_size=3, in_order=False, persistent_workers=True),
+}
+
+# Every save point for the cheap single-process configs; a spread of them otherwise (each
+# save point builds two loaders, and each multi-process loader starts its workers).
+SPREAD = [0, 1, 3, 6, 7, 8, 11, 14, 15]
+
+
+def _steps(cfg: dict) -> list[int] | None:
+    return None if cfg.get("num_workers", 0) == 0 else SPREAD
+
+
+@pytest.mark.parametrize("name", list(MAP_CONFIGS))
+def test_map_resume_matches_uninterrupted_run(name: str) -> None:
+    cfg = MAP_CONFIGS[name]
+
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), generator=gen(), **copy.deepcopy(cfg))
+
+    in_order = cfg.get("in_order", True)
+    n = check_resume(make, epochs=2, steps=_steps(cfg), in_order=in_order)
+    assert n > 0
+
+
+@pytest.mark.parametrize("via", ["dict", "bytes", "torch", "json"])
+def test_resume_through_each_storage_format(via: str) -> None:
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen())
+
+    check_resume(make, epochs=2, via=via, steps=[0, 4, 7, 8])
+
+
+@pytest.mark.parametrize(("before", "after"), [(0, 2), (2, 0), (2, 3)])
+def test_map_resume_with_other_num_workers_gives_identical_batches(before: int, after: int) -> None:
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=before, generator=gen())
+
+    def make_resumed() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=after)
+
+    check_resume(make, epochs=2, make_resumed=make_resumed, steps=[0, 2, 5, 7, 9])
+
+
+def test_resume_ignores_the_new_loaders_generator_and_global_seed() -> None:
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(1))
+
+    def make_resumed() -> DataLoader:
+        torch.manual_seed(999)
+        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(2))
+
+    check_resume(make, epochs=2, make_resumed=make_resumed, steps=[1, 5, 9])
+
+
+def test_values_do_not_depend_on_the_number_of_workers() -> None:
+    streams = [
+        reference_stream(
+            lambda nw=nw: DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=nw, generator=gen()),
+            epochs=2,
+        )
+        for nw in (0, 1, 3)
+    ]
+    assert streams[0] == streams[1] == streams[2]
+    assert streams[0][0] != streams[0][1], "two epochs gave the same batches"
+
+
+def test_stateful_user_sampler_is_saved_through_its_own_state() -> None:
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=3, sampler=StatefulSampler(N, seed=5), num_workers=2, generator=gen())
+
+    loader = make()
+    assert loader.state_dict()["config"]["sampler"].startswith("stateful:")
+    it = iter(loader)
+    next(it)
+    sd = loader.state_dict()
+    loader.close()
+    assert "sampler_state" in sd and sd["sampler_state"]["pos"] > 0
+    check_resume(make, epochs=2, steps=SPREAD)
+
+
+def test_stateful_sampler_single_process() -> None:
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=4, sampler=StatefulSampler(N, seed=3), generator=gen())
+
+    check_resume(make, epochs=2)
+
+
+def test_resume_refetches_nothing_already_consumed(tmp_path) -> None:
+    first_log, second_log = str(tmp_path / "first"), str(tmp_path / "second")
+    n, k = 40, 5
+    loader = DataLoader(RecordingDataset(n, first_log), batch_size=4, shuffle=True, num_workers=2, generator=gen())
+    it = iter(loader)
+    consumed = [idx for _ in range(k) for idx in next(it)["idx"].tolist()]
+    sd = loader.state_dict()
+    loader.close()
+    resumed = DataLoader(RecordingDataset(n, second_log), batch_size=4, shuffle=True, num_workers=2)
+    resumed.load_state_dict(sd)
+    rest = [idx for b in resumed for idx in b["idx"].tolist()]
+    resumed.close()
+    fetched_again = read_records(second_log)
+    assert sorted(consumed + rest) == list(range(n)), "a sample was lost or repeated"
+    assert not set(fetched_again) & set(consumed), "the resumed loader re-fetched consumed samples"
+    assert sorted(fetched_again) == sorted(rest), "the resumed loader fetched more than it delivered"
+
+
+def test_fast_forwarded_sampler_fetches_no_data_while_skipping(tmp_path) -> None:
+    log = str(tmp_path / "log")
+    loader = DataLoader(RandomAugDataset(N), batch_size=3, sampler=NoStateSampler(N))
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    sd = loader.state_dict()
+    resumed = DataLoader(RecordingDataset(N, log), batch_size=3, sampler=NoStateSampler(N))
+    resumed.load_state_dict(sd)
+    rest = [i for b in resumed for i in b["idx"].tolist()]
+    assert read_records(log) == rest
+
+
+def test_state_is_plain_data_for_torch_json_and_msgpack() -> None:
+    loader = DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, in_order=False)
+    it = iter(loader)
+    next(it)
+    next(it)
+    sd = loader.state_dict()
+    loader.close()
+
+    def plain(x) -> bool:
+        if isinstance(x, dict):
+            return all(isinstance(k, str) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return x is None or isinstance(x, (bool, int, float, str, bytes))
+
+    assert plain(sd), sd
+    for via in ("torch", "json", "bytes"):
+        assert roundtrip_state(sd, via) == sd
+
+
+def test_state_dict_before_iterating_and_after_the_epoch() -> None:
+    loader = DataLoader(RandomAugDataset(N), batch_size=3, generator=gen())
+    sd0 = loader.state_dict()
+    assert (sd0["epoch"], sd0["consumed"]) == (0, 0)
+    batches = list(loader)
+    sd1 = loader.state_dict()
+    assert (sd1["epoch"], sd1["consumed"]) == (1, 0)
+    assert sd0["seed"] == sd1["seed"]
+    again = DataLoader(RandomAugDataset(N), batch_size=3)
+    again.load_state_dict(sd0)
+    assert [canonical(b) for b in again] == [canonical(b) for b in batches]
+
+
+# ---- validation -------------------------------------------------------------------------------
+def _saved(**kw) -> dict:
+    loader = DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, generator=gen(), **kw)
+    it = iter(loader)
+    next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("field", "other"),
+    [
+        ("dataset_len", dict(dataset=RandomAugDataset(N + 1))),
+        ("batch_size", dict(batch_size=4)),
+        ("drop_last", dict(drop_last=True)),
+        ("sampler", dict(shuffle=False)),
+    ],
+)
+def test_mismatched_configuration_is_refused_and_changes_nothing(field: str, other: dict) -> None:
+    sd = _saved()
+    kw = dict(dataset=RandomAugDataset(N), batch_size=3, shuffle=True, generator=gen())
+    kw.update(other)
+    loader = DataLoader(**kw)
+    before = loader.state_dict()
+    with pytest.raises(CheckpointError) as info:
+        loader.load_state_dict(sd)
+    msg = str(info.value)
+    assert f"config.{field}" in msg
+    assert repr(sd["config"][field]) in msg and repr(before["config"][field]) in msg
+    assert loader.state_dict() == before
+    assert len(list(loader)) == len(loader)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda sd: sd.update(version=99), "version"),
+        (lambda sd: sd.update(format="something else"), "format"),
+        (lambda sd: sd.update(consumed=-1), "consumed"),
+        (lambda sd: sd.update(consumed=10**6), "consumed"),
+        (lambda sd: sd.update(seed="x"), "seed"),
+        (lambda sd: sd.update(delivered_ahead=[0]), "delivered_ahead"),
+        (lambda sd: sd.pop("config"), "config"),
+    ],
+)
+def test_damaged_state_is_refused_with_the_field_named(mutate, field: str) -> None:
+    sd = _saved()
+    mutate(sd)
+    loader = DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, generator=gen())
+    before = loader.state_dict()
+    with pytest.raises(CheckpointError, match=field):
+        loader.load_state_dict(sd)
+    assert loader.state_dict() == before
+
+
+def test_not_a_dict_is_refused() -> None:
+    loader = DataLoader(RandomAugDataset(N), batch_size=3)
+    with pytest.raises(CheckpointError, match="expected a dict"):
+        loader.load_state_dict([1, 2, 3])  # type: ignore[arg-type]
+
+
+# ---- iterable datasets ------------------------------------------------------------------------
+STREAMS = {"stateful": StatefulShard, "iterator-state": IteratorStateShard, "plain": Shard}
+STREAM_CONFIGS = {
+    "w0-b3": dict(num_workers=0, batch_size=3),
+    "w0-bNone": dict(num_workers=0, batch_size=None),
+    "w2-b3": dict(num_workers=2, batch_size=3),
+    "w2-b3-droplast-persistent": dict(num_workers=2, batch_size=3, drop_last=True, persistent_workers=True),
+    "w3-bNone": dict(num_workers=3, batch_size=None),
+    "w2-b2-unordered": dict(num_workers=2, batch_size=2, in_order=False),
+}
+
+
+@pytest.mark.parametrize("config", list(STREAM_CONFIGS))
+@pytest.mark.parametrize("kind", list(STREAMS))
+def test_stream_resume_matches_uninterrupted_run(kind: str, config: str) -> None:
+    cfg = STREAM_CONFIGS[config]
+    cls = STREAMS[kind]
+
+    def make() -> DataLoader:
+        return DataLoader(cls(11), generator=gen(), **cfg)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the plain stream's fast-forward note
+        check_resume(make, epochs=2, steps=_steps(cfg), in_order=cfg.get("in_order", True))
+
+
+def test_stateful_stream_resume_reads_nothing_twice(tmp_path) -> None:
+    log = str(tmp_path / "values")
+    loader = DataLoader(StatefulShard(20), batch_size=2, num_workers=2, generator=gen())
+    it = iter(loader)
+    consumed = [int(v) for _ in range(4) for v in next(it)[:, 0]]
+    sd = loader.state_dict()
+    loader.close()
+    resumed = DataLoader(StatefulShard(20, record=log), batch_size=2, num_workers=2)
+    resumed.load_state_dict(sd)
+    rest = [int(v) for b in resumed for v in b[:, 0]]
+    assert sorted(consumed + rest) == sorted(v for w in (0, 1) for v in range(w, 20 + 3 * w, 2))
+    assert sorted(read_values(log)) == sorted(rest), "the resumed stream re-read consumed items"
+
+
+def test_plain_stream_resume_warns_once_about_fast_forward() -> None:
+    loader = DataLoader(Shard(12), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    next(it)
+    sd = loader.state_dict()
+    loader.close()
+    resumed = DataLoader(Shard(12), batch_size=2, num_workers=2)
+    resumed.load_state_dict(sd)
+    with pytest.warns(RuntimeWarning, match="fast-forwarded") as record:
+        list(resumed)
+    assert sum("fast-forwarded" in str(w.message) for w in record) == 1
+
+
+def test_stream_resume_with_other_num_workers_is_refused() -> None:
+    loader = DataLoader(StatefulShard(12), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    sd = loader.state_dict()
+    loader.close()
+    other = DataLoader(StatefulShard(12), batch_size=2, num_workers=3)
+    with pytest.raises(CheckpointError, match=r"config\.num_workers.*sharded per worker"):
+        other.load_state_dict(sd)
+
+
+def test_stream_state_records_each_workers_dataset_state() -> None:
+    loader = DataLoader(StatefulShard(12), batch_size=2, num_workers=2)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    sd = loader.state_dict()
+    loader.close()
+    delivered = [w["delivered"] for w in sd["workers"]]
+    assert delivered == [2, 1]
+    assert [w["dataset_state"]["pos"] for w in sd["workers"]] == [4, 2]
+    assert sd["next_worker"] == 1
+
+
+def test_public_surface_is_pinned() -> None:
+    assert resumable_loader.__all__ == sorted(resumable_loader.__all__)
+    assert set(resumable_loader.__all__) == {
+        "CheckpointError",
+        "DataLoader",
+        "LoaderClosedError",
+        "LoaderStatistics",
+        "RetryPolicy",
+        "WorkerCrashError",
+        "__version__",
+        "dump_state",
+        "load_state",
+    }
