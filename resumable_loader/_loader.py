@@ -33,7 +33,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -110,7 +110,9 @@ class RetryPolicy:
         if not self.exceptions or not all(
             isinstance(e, type) and issubclass(e, BaseException) for e in self.exceptions
         ):
-            raise ValueError(f"RetryPolicy.exceptions must be exception types, got {self.exceptions!r}")
+            raise ValueError(
+                f"RetryPolicy.exceptions must be exception types, got {self.exceptions!r}"
+            )
 
 
 def _encode_plain(state: Any) -> dict[Any, bytes]:
@@ -164,7 +166,7 @@ class _BaseIter:
         self._plan: IndexPlan = loader._plan
         self._iterable = self._plan.kind == ITERABLE
         self._stateful_sampler = self._plan.kind == STATEFUL
-        self._base = loader._base_seed
+        self._base: int = loader._ensure_seed()
         self._counters: Counters = loader._counters
         self._superseded = False
 
@@ -202,8 +204,8 @@ class _SingleProcessIter(_BaseIter):
         super().__init__(loader, epoch)
         plan = self._plan
         self._pin = loader._pin_fn()
+        self._seed: int = 0
         self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
-        self._seed = 0
         # Ids > consumed already delivered (for the state), and the ids to skip when drawn:
         # two sets, because advancing ``consumed`` must not forget what is still to skip.
         self._ahead = set(rp.ahead) if rp else set()
@@ -212,11 +214,14 @@ class _SingleProcessIter(_BaseIter):
         self._owed: list[tuple[int, Any]] = []
         if self._iterable:
             self._fetcher: Any = StreamFetcher(
-                loader.dataset, loader._auto_collation, loader.collate_fn, loader.batch_size,
+                loader.dataset,
+                loader._auto_collation,
+                loader.collate_fn,
+                loader.batch_size,
                 loader.drop_last,
             )
             wp = rp.workers[0] if rp else S.WorkerPosition()
-            resume = None
+            resume: Any = None
             if wp.exhausted:
                 pass  # nothing more this epoch; start the next one from a fresh iterator
             elif wp.dataset_state is not None:
@@ -421,8 +426,14 @@ class _MultiProcessIter(_BaseIter):
             return len(reorder._buf) + (pin.in_flight if pin is not None else 0)
 
         disp = Dispatcher(
-            sup, self._iterable, loader.prefetch_factor or 0, source, start, reorder.seen,
-            backlog, next_worker,
+            sup,
+            self._iterable,
+            loader.prefetch_factor or 0,
+            source,
+            start,
+            reorder.seen,
+            backlog,
+            next_worker,
         )
         disp.gen = gen
         self._disp = disp
@@ -471,6 +482,9 @@ class _MultiProcessIter(_BaseIter):
         while True:
             if reorder.ready():
                 tid, item = reorder.pop()
+                # The released slot in the prefetch window goes back to work before the
+                # caller gets the batch, so workers never idle while the caller computes.
+                self._disp.fill()
                 out = self._deliver(tid, item)
                 if out is not _SKIP:
                     self._counters.batches += 1
@@ -617,8 +631,13 @@ class _MultiProcessIter(_BaseIter):
             samples = [disp.tasks[t].payload for t in live]
             log.info(
                 "DataLoader worker %d: pid %d -> %d (%s); re-sending tasks %s (%s %s)",
-                slot.wid, pid, slot.pid, key, live,
-                "fetches" if self._iterable else "samples", samples,
+                slot.wid,
+                pid,
+                slot.pid,
+                key,
+                live,
+                "fetches" if self._iterable else "samples",
+                samples,
             )
         else:
             log.info("DataLoader worker %d: pid %d -> %d (%s)", slot.wid, pid, slot.pid, key)
@@ -771,7 +790,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if not _TORCH_HAS_IN_ORDER:
             self.in_order = in_order
         if task_timeout is not None and not task_timeout > 0:
-            raise ValueError(f"task_timeout must be a positive number of seconds or None, got {task_timeout!r}")
+            raise ValueError(
+                f"task_timeout must be a positive number of seconds or None, got {task_timeout!r}"
+            )
         if type(max_task_attempts) is not int or max_task_attempts < 1:
             raise ValueError(f"max_task_attempts must be an int >= 1, got {max_task_attempts!r}")
         if on_poison not in ("raise", "skip"):
@@ -861,20 +882,24 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         seed_epoch = -1 if self.persistent_workers else epoch
         iterable = self._plan.kind == ITERABLE
 
+        # A plain dict, not a closure over the loader: the supervisor is kept alive by the
+        # finalizer registered on the loader, and must not keep the loader alive in turn.
+        common = dict(
+            num_workers=self.num_workers,
+            dataset=self.dataset,
+            iterable=iterable,
+            auto_collation=self._auto_collation,
+            collate_fn=self.collate_fn,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            base_seed=base,
+            init_fn=self.worker_init_fn,
+            retry=self.retry,
+        )
+
         def make_spec(wid: int) -> WorkerSpec:
             return WorkerSpec(
-                worker_id=wid,
-                num_workers=self.num_workers,
-                dataset=self.dataset,
-                iterable=iterable,
-                auto_collation=self._auto_collation,
-                collate_fn=self.collate_fn,
-                batch_size=self.batch_size,
-                drop_last=self.drop_last,
-                worker_seed=derive_seed(WORKER, base, seed_epoch, wid),
-                base_seed=base,
-                init_fn=self.worker_init_fn,
-                retry=self.retry,
+                worker_id=wid, worker_seed=derive_seed(WORKER, base, seed_epoch, wid), **common
             )
 
         return Supervisor(
@@ -1032,4 +1057,3 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
 
 
 __all__ = ["DataLoader", "RetryPolicy"]
-

@@ -63,9 +63,7 @@ class PinStage:
         self._fork_lock = fork_lock
         self._pin = pin_fn
         self.in_flight = 0
-        self._thread = threading.Thread(
-            target=self._run, name="resumable_loader-pin", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name="resumable_loader-pin", daemon=True)
         self._thread.start()
 
     @property

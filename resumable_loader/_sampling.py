@@ -160,7 +160,9 @@ class IndexPlan:
         g = torch.Generator()
         g.manual_seed(derive_seed(SAMPLER, base_seed, epoch))
         if inner.replacement:
-            return torch.randint(high=n, size=(num_samples,), dtype=torch.int64, generator=g).numpy()
+            return torch.randint(
+                high=n, size=(num_samples,), dtype=torch.int64, generator=g
+            ).numpy()
         parts = [torch.randperm(n, generator=g) for _ in range(num_samples // n)]
         if num_samples % n:
             parts.append(torch.randperm(n, generator=g)[: num_samples % n])

@@ -47,7 +47,15 @@ K_SKIPPED = "skipped"
 
 # Config fields that must match for a state to be loaded; num_workers only for streams (a
 # map-style batch does not depend on which worker loads it; a stream's shards do).
-MUST_MATCH = ("dataset_kind", "dataset_len", "batch_size", "drop_last", "sampler", "world_size", "rank")
+MUST_MATCH = (
+    "dataset_kind",
+    "dataset_len",
+    "batch_size",
+    "drop_last",
+    "sampler",
+    "world_size",
+    "rank",
+)
 
 _FIX = {
     "dataset_kind": "load the state into a loader over the same kind of dataset",
@@ -139,7 +147,11 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     rp.consumed = _int(sd, K_CONSUMED)
     ahead = sd.get(K_AHEAD, [])
     if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
-        raise _fail(K_AHEAD, f"expected ids > consumed ({rp.consumed}), got {ahead!r}", "the state is damaged")
+        raise _fail(
+            K_AHEAD,
+            f"expected ids > consumed ({rp.consumed}), got {ahead!r}",
+            "the state is damaged",
+        )
     rp.ahead = frozenset(ahead)
     if stateful_sampler:
         rp.sampler_state = sd.get(K_SAMPLER_STATE)
@@ -150,15 +162,24 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
         rp.sampler_done = done
         out = sd.get(K_OUTSTANDING, [])
         if not isinstance(out, list) or not all(
-            isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] < rp.drawn for x in out
+            isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] < rp.drawn
+            for x in out
         ):
-            raise _fail(K_OUTSTANDING, f"expected [[task id < drawn, indices], ...], got {out!r}", "the state is damaged")
+            raise _fail(
+                K_OUTSTANDING,
+                f"expected [[task id < drawn, indices], ...], got {out!r}",
+                "the state is damaged",
+            )
         rp.outstanding = [(t, idx) for t, idx in out]
     if config["dataset_kind"] == "iterable":
         workers = sd.get(K_WORKERS)
         n = max(1, config["num_workers"])
         if not isinstance(workers, list) or len(workers) != n:
-            raise _fail(K_WORKERS, f"expected {n} worker entries, got {workers!r:.200}", "the state is damaged")
+            raise _fail(
+                K_WORKERS,
+                f"expected {n} worker entries, got {workers!r:.200}",
+                "the state is damaged",
+            )
         for i, w in enumerate(workers):
             if (
                 not isinstance(w, dict)
@@ -166,13 +187,23 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
                 or w["delivered"] < 0
                 or type(w.get("exhausted")) is not bool
             ):
-                raise _fail(f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged")
-            rp.workers.append(WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state")))
+                raise _fail(
+                    f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged"
+                )
+            rp.workers.append(
+                WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state"))
+            )
         rp.next_worker = _int(sd, K_NEXT_WORKER)
         if rp.next_worker >= n:
-            raise _fail(K_NEXT_WORKER, f"{rp.next_worker} is not a worker id below {n}", "the state is damaged")
+            raise _fail(
+                K_NEXT_WORKER,
+                f"{rp.next_worker} is not a worker id below {n}",
+                "the state is damaged",
+            )
     skipped = sd.get(K_SKIPPED, [])
     if not isinstance(skipped, list):
-        raise _fail(K_SKIPPED, f"expected a list, got {type(skipped).__name__}", "the state is damaged")
+        raise _fail(
+            K_SKIPPED, f"expected a list, got {type(skipped).__name__}", "the state is damaged"
+        )
     rp.skipped = list(skipped)
     return rp

@@ -1,8 +1,8 @@
 """The supervisor: starts, watches, replaces and stops the worker processes.
 
-    dispatcher ──TASK──► slot.task_conn ─► worker process ─► slot.result_conn ──► poll() ──► iterator
-                                                 │ dies / hangs
-    poll() waits on ─ every result pipe          ▼
+  dispatcher ─TASK─► slot.task_conn ─► worker process ─► slot.result_conn ─► poll() ─► iterator
+                                              │ dies / hangs
+    poll() waits on ─ every result socket     ▼
                     ─ every process sentinel     "dead" event ─► iterator re-sends the slot's
                     ─ a SIGCHLD wake-up pipe                     outstanding tasks, respawn()
                     ─ (timeout) liveness polling + task_timeout
@@ -30,11 +30,13 @@ import multiprocessing
 import os
 import select
 import signal
+import socket
 import threading
 import time
 from typing import Any
 
 from ._errors import WorkerCrashError
+from ._transport import ChannelClosed, Receiver
 from ._worker import INIT_ERROR, READY, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
@@ -172,7 +174,9 @@ class WorkerSlot:
         return self.state in (STARTING, READY_STATE)
 
     def __repr__(self) -> str:
-        return f"<worker {self.wid} pid={self.pid} {self.state} outstanding={list(self.outstanding)}>"
+        return (
+            f"<worker {self.wid} pid={self.pid} {self.state} outstanding={list(self.outstanding)}>"
+        )
 
 
 class Supervisor:
@@ -241,7 +245,7 @@ class Supervisor:
 
     def _start(self, slot: WorkerSlot) -> None:
         task_r, task_w = self.ctx.Pipe(duplex=False)
-        result_r, result_w = self.ctx.Pipe(duplex=False)
+        result_r, result_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         main_fds = (task_w.fileno(), result_r.fileno())
         _register_fds(*main_fds)
         spec: WorkerSpec = self.make_spec(slot.wid)
@@ -262,9 +266,9 @@ class Supervisor:
         task_r.close()
         result_w.close()
         slot.proc = proc
-        slot.pid = proc.pid
+        slot.pid = proc.pid or -1
         slot.task_conn = task_w
-        slot.result_conn = result_r
+        slot.result_conn = Receiver(result_r)
         slot.state = STARTING
         slot.generation += 1
         slot.busy_since = time.monotonic()
@@ -373,30 +377,30 @@ class Supervisor:
             slot = entry[1]
             assert slot is not None
             if slot in dead or not slot.alive:
-                continue  # a dead worker's half-written pipe is never read: its tasks re-run
+                continue  # a dead worker's half-written message is never read: its tasks re-run
             try:
-                msg = slot.result_conn.recv()
-            except (EOFError, OSError):
+                msgs = slot.result_conn.feed()
+            except ChannelClosed:
                 # The writer is gone: a death, described by its exit status once reaped.
                 dead[slot] = ("", False)
                 continue
             except Exception as exc:
-                # e.g. the shared-memory fd of a tensor could not be fetched from a worker
-                # that died right after sending: the result is lost, the worker replaced.
+                # A message that cannot be unpickled: the result is lost, the worker replaced.
                 dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
                 continue
-            tag = msg[0]
-            if tag == READY:
-                slot.state = READY_STATE
-                slot.start_failures = 0
-                slot.init_error = None
-                slot.busy_since = time.monotonic()
-                events.append(("ready", slot, None))
-            elif tag == INIT_ERROR:
-                slot.init_error = msg[2]
-                dead[slot] = ("failed to start", False)
-            else:
-                events.append(("msg", slot, msg))
+            for msg in msgs:
+                tag = msg[0]
+                if tag == READY:
+                    slot.state = READY_STATE
+                    slot.start_failures = 0
+                    slot.init_error = None
+                    slot.busy_since = time.monotonic()
+                    events.append(("ready", slot, None))
+                elif tag == INIT_ERROR:
+                    slot.init_error = msg[2]
+                    dead[slot] = ("failed to start", False)
+                else:
+                    events.append(("msg", slot, msg))
         now = time.monotonic()
         if now - self._last_poll >= POLL_INTERVAL_S:
             self._last_poll = now
@@ -411,7 +415,10 @@ class Supervisor:
                     and slot.outstanding
                     and now - slot.busy_since > self.task_timeout
                 ):
-                    dead[slot] = (f"hung (no result for {self.task_timeout:g} s: task_timeout)", True)
+                    dead[slot] = (
+                        f"hung (no result for {self.task_timeout:g} s: task_timeout)",
+                        True,
+                    )
         for slot, (why, kill) in dead.items():
             pid = slot.pid
             was_ready = slot.state == READY_STATE

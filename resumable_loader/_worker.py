@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import _transport
 from ._errors import RemoteTraceback
 from ._seeding import STREAM, TASK, derive_seed, seed_global_rngs
 
@@ -315,7 +316,10 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     """Entry point of a worker process."""
     # Under fork we inherited the main process's ends of every loader pipe; holding them would
     # keep a dead sibling's pipe open and hide its EOF from the main process.
+    own = {task_conn.fileno(), result_conn.fileno()}
     for fd in spec.close_fds:
+        if fd in own:
+            continue
         try:
             os.close(fd)
         except OSError:
@@ -348,9 +352,9 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
         pass  # the main process closed our pipes: shut down quietly
 
 
-def _send(conn: Any, msg: Any) -> bool:
+def _send(sock: Any, msg: Any) -> bool:
     try:
-        conn.send(msg)
+        _transport.send(sock, msg)
         return True
     except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
         return False
@@ -434,13 +438,14 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
             msg = (RESULT, gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
         data = None
         try:
-            result_conn.send(msg)
+            _transport.send(result_conn, msg)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             return
         except Exception:
-            # The batch could not be pickled: report that instead of dying silently.
+            # The batch could not be pickled (nothing was sent): say so instead of dying.
             err = WorkerError(f"{where}: the batch of task {tid} could not be sent (pickling)")
-            result_conn.send((RESULT, gen, tid, ERROR, err, None, 0, False))
+            if not _send(result_conn, (RESULT, gen, tid, ERROR, err, None, 0, False)):
+                return
         del msg
 
 

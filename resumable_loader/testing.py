@@ -166,7 +166,8 @@ def check_resume(
                 got[epoch].extend(canonical(b) for b in second)
         finally:
             second.close()
-        where = f"save point {i} (epoch {e}, after {j} batches{', after StopIteration' if after_stop else ''}, via {via})"
+        stop = ", after StopIteration" if after_stop else ""
+        where = f"save point {i} (epoch {e}, after {j} batches{stop}, via {via})"
         for epoch in range(epochs):
             if in_order:
                 if got[epoch] != ref[epoch]:
@@ -177,7 +178,8 @@ def check_resume(
                     raise AssertionError(
                         f"{where}: epoch {epoch} differs from the uninterrupted run at batch "
                         f"{k}: got {len(got[epoch])} batches, expected {len(ref[epoch])}; "
-                        f"got {got[epoch][k:k + 1]!r:.300} expected {ref[epoch][k:k + 1]!r:.300}"
+                        f"got {got[epoch][k : k + 1]!r:.300} "
+                        f"expected {ref[epoch][k : k + 1]!r:.300}"
                     )
             else:
                 a, b = Counter(map(repr, got[epoch])), Counter(map(repr, ref[epoch]))
@@ -258,7 +260,7 @@ def _act(fault: Fault, what: str) -> Any:
     return None
 
 
-class FaultyDataset(Dataset):  # type: ignore[type-arg]
+class FaultyDataset(Dataset):
     """Wrap a map-style dataset; fetching index ``i`` applies ``faults[i]`` on chosen attempts.
 
     Args:
@@ -288,19 +290,26 @@ class FaultyDataset(Dataset):  # type: ignore[type-arg]
         return self.dataset[index]
 
 
-class FaultyStream(IterableDataset):  # type: ignore[type-arg]
-    """Wrap an iterable dataset; the ``n``-th item a worker yields applies ``faults[n]``.
+class FaultyStream(IterableDataset):
+    """Wrap an iterable dataset; an item whose key is in ``faults`` applies that fault.
 
-    Keys are ``(worker id, item number within that worker's stream)``; with
-    ``num_workers=0`` the worker id is 0. State methods of the wrapped stream are forwarded.
+    By default an item's key is ``(worker id, n)``, n counting the items this iterator has
+    yielded (with ``num_workers=0`` the worker id is 0). A stream restored from a state starts
+    counting again, so for stateful streams pass ``key``: a picklable function of the item
+    (e.g. its sample id). State methods of the wrapped stream are forwarded.
     """
 
     def __init__(
-        self, stream: Any, faults: dict[tuple[int, int], Fault], state_dir: str | os.PathLike[str]
+        self,
+        stream: Any,
+        faults: dict[Any, Fault],
+        state_dir: str | os.PathLike[str],
+        key: Callable[[Any], Any] | None = None,
     ):
         self.stream = stream
         self.faults = dict(faults)
         self.state_dir = os.fspath(state_dir)
+        self.key = key
         if callable(getattr(stream, "state_dict", None)):
             self.state_dict = stream.state_dict
             self.load_state_dict = stream.load_state_dict
@@ -312,11 +321,12 @@ class FaultyStream(IterableDataset):  # type: ignore[type-arg]
         info = get_worker_info()
         wid = info.id if info is not None else 0
         for n, item in enumerate(self.stream):
-            fault = self.faults.get((wid, n))
+            key = (wid, n) if self.key is None else self.key(item)
+            fault = self.faults.get(key)
             if fault is not None:
-                attempt = _record_attempt(self.state_dir, f"w{wid}-n{n}")
+                attempt = _record_attempt(self.state_dir, f"key-{key!r}".replace("/", "_"))
                 if fault.attempts is None or attempt in fault.attempts:
-                    out = _act(fault, f"item {n} of worker {wid}, attempt {attempt}")
+                    out = _act(fault, f"item {key!r} of worker {wid}, attempt {attempt}")
                     if out is not None:
                         item = out
             yield item
@@ -340,4 +350,3 @@ def kill_worker(loader: Any, worker: int, sig: int = signal.SIGKILL) -> int:
         raise RuntimeError(f"worker {worker} is not running")
     os.kill(pid, sig)
     return pid
-

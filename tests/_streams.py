@@ -29,7 +29,12 @@ def _shard(n: int) -> list[int]:
 
 def _item(v: int) -> torch.Tensor:
     return torch.tensor(
-        [v, random.randint(0, 10**6), int(np.random.randint(0, 10**6)), int(torch.randint(0, 10**6, ()))]
+        [
+            v,
+            random.randint(0, 10**6),
+            int(np.random.randint(0, 10**6)),
+            int(torch.randint(0, 10**6, ())),
+        ]
     )
 
 

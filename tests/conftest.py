@@ -76,6 +76,21 @@ def _settle(check, deadline_s: float = 10.0):
     return leak
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _multiprocessing_helpers():
+    """Start multiprocessing's own helper processes once, before any baseline is taken.
+
+    The first spawn starts the resource tracker and the first forkserver start starts the fork
+    server; each keeps a pipe fd in this process for its whole life. They are not ours to clean
+    up, and starting them here keeps them out of every test's leak check.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    forkserver.ensure_running()
+    yield
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request: pytest.FixtureRequest):
     """Fail the test if it left a child process, one of our threads, an fd or a shm entry."""

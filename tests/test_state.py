@@ -8,7 +8,6 @@ this epoch and the next with the reference.
 from __future__ import annotations
 
 import copy
-import json
 import warnings
 
 import pytest
@@ -38,16 +37,22 @@ MAP_CONFIGS = {
     "w0": dict(num_workers=0, batch_size=3),
     "w0-shuffle-droplast": dict(num_workers=0, batch_size=4, shuffle=True, drop_last=True),
     "w2-shuffle": dict(num_workers=2, batch_size=3, shuffle=True),
-    "w2-persistent-pf1": dict(num_workers=2, batch_size=3, shuffle=True, persistent_workers=True, prefetch_factor=1),
+    "w2-persistent-pf1": dict(
+        num_workers=2, batch_size=3, shuffle=True, persistent_workers=True, prefetch_factor=1
+    ),
     "w3-pf3": dict(num_workers=3, batch_size=4, prefetch_factor=3, shuffle=True),
     "w2-bsNone": dict(num_workers=2, batch_size=None, shuffle=True),
     "w2-batch-sampler": dict(num_workers=2, batch_sampler=VariableBatchSampler(N, [1, 4, 2])),
     "w2-no-state-sampler": dict(num_workers=2, batch_size=3, sampler=NoStateSampler(N)),
     "w2-replacement": dict(
-        num_workers=2, batch_size=3, sampler=torch.utils.data.RandomSampler(range(N), replacement=True, num_samples=13)
+        num_workers=2,
+        batch_size=3,
+        sampler=torch.utils.data.RandomSampler(range(N), replacement=True, num_samples=13),
     ),
     "w2-unordered": dict(num_workers=2, batch_size=2, shuffle=True, in_order=False),
-    "w3-unordered-persistent": dict(num_workers=3, batch_size=3, in_order=False, persistent_workers=True),
+    "w3-unordered-persistent": dict(
+        num_workers=3, batch_size=3, in_order=False, persistent_workers=True
+    ),
 }
 
 # Every save point for the cheap single-process configs; a spread of them otherwise (each
@@ -74,7 +79,9 @@ def test_map_resume_matches_uninterrupted_run(name: str) -> None:
 @pytest.mark.parametrize("via", ["dict", "bytes", "torch", "json"])
 def test_resume_through_each_storage_format(via: str) -> None:
     def make() -> DataLoader:
-        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen())
+        return DataLoader(
+            RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen()
+        )
 
     check_resume(make, epochs=2, via=via, steps=[0, 4, 7, 8])
 
@@ -82,7 +89,9 @@ def test_resume_through_each_storage_format(via: str) -> None:
 @pytest.mark.parametrize(("before", "after"), [(0, 2), (2, 0), (2, 3)])
 def test_map_resume_with_other_num_workers_gives_identical_batches(before: int, after: int) -> None:
     def make() -> DataLoader:
-        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=before, generator=gen())
+        return DataLoader(
+            RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=before, generator=gen()
+        )
 
     def make_resumed() -> DataLoader:
         return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=after)
@@ -92,11 +101,15 @@ def test_map_resume_with_other_num_workers_gives_identical_batches(before: int, 
 
 def test_resume_ignores_the_new_loaders_generator_and_global_seed() -> None:
     def make() -> DataLoader:
-        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(1))
+        return DataLoader(
+            RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(1)
+        )
 
     def make_resumed() -> DataLoader:
         torch.manual_seed(999)
-        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(2))
+        return DataLoader(
+            RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(2)
+        )
 
     check_resume(make, epochs=2, make_resumed=make_resumed, steps=[1, 5, 9])
 
@@ -104,7 +117,9 @@ def test_resume_ignores_the_new_loaders_generator_and_global_seed() -> None:
 def test_values_do_not_depend_on_the_number_of_workers() -> None:
     streams = [
         reference_stream(
-            lambda nw=nw: DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=nw, generator=gen()),
+            lambda nw=nw: DataLoader(
+                RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=nw, generator=gen()
+            ),
             epochs=2,
         )
         for nw in (0, 1, 3)
@@ -115,7 +130,13 @@ def test_values_do_not_depend_on_the_number_of_workers() -> None:
 
 def test_stateful_user_sampler_is_saved_through_its_own_state() -> None:
     def make() -> DataLoader:
-        return DataLoader(RandomAugDataset(N), batch_size=3, sampler=StatefulSampler(N, seed=5), num_workers=2, generator=gen())
+        return DataLoader(
+            RandomAugDataset(N),
+            batch_size=3,
+            sampler=StatefulSampler(N, seed=5),
+            num_workers=2,
+            generator=gen(),
+        )
 
     loader = make()
     assert loader.state_dict()["config"]["sampler"].startswith("stateful:")
@@ -129,7 +150,9 @@ def test_stateful_user_sampler_is_saved_through_its_own_state() -> None:
 
 def test_stateful_sampler_single_process() -> None:
     def make() -> DataLoader:
-        return DataLoader(RandomAugDataset(N), batch_size=4, sampler=StatefulSampler(N, seed=3), generator=gen())
+        return DataLoader(
+            RandomAugDataset(N), batch_size=4, sampler=StatefulSampler(N, seed=3), generator=gen()
+        )
 
     check_resume(make, epochs=2)
 
@@ -137,7 +160,9 @@ def test_stateful_sampler_single_process() -> None:
 def test_resume_refetches_nothing_already_consumed(tmp_path) -> None:
     first_log, second_log = str(tmp_path / "first"), str(tmp_path / "second")
     n, k = 40, 5
-    loader = DataLoader(RecordingDataset(n, first_log), batch_size=4, shuffle=True, num_workers=2, generator=gen())
+    loader = DataLoader(
+        RecordingDataset(n, first_log), batch_size=4, shuffle=True, num_workers=2, generator=gen()
+    )
     it = iter(loader)
     consumed = [idx for _ in range(k) for idx in next(it)["idx"].tolist()]
     sd = loader.state_dict()
@@ -149,7 +174,9 @@ def test_resume_refetches_nothing_already_consumed(tmp_path) -> None:
     fetched_again = read_records(second_log)
     assert sorted(consumed + rest) == list(range(n)), "a sample was lost or repeated"
     assert not set(fetched_again) & set(consumed), "the resumed loader re-fetched consumed samples"
-    assert sorted(fetched_again) == sorted(rest), "the resumed loader fetched more than it delivered"
+    assert sorted(fetched_again) == sorted(rest), (
+        "the resumed loader fetched more than it delivered"
+    )
 
 
 def test_fast_forwarded_sampler_fetches_no_data_while_skipping(tmp_path) -> None:
@@ -166,7 +193,9 @@ def test_fast_forwarded_sampler_fetches_no_data_while_skipping(tmp_path) -> None
 
 
 def test_state_is_plain_data_for_torch_json_and_msgpack() -> None:
-    loader = DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, in_order=False)
+    loader = DataLoader(
+        RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, in_order=False
+    )
     it = iter(loader)
     next(it)
     next(it)
@@ -264,7 +293,9 @@ STREAM_CONFIGS = {
     "w0-b3": dict(num_workers=0, batch_size=3),
     "w0-bNone": dict(num_workers=0, batch_size=None),
     "w2-b3": dict(num_workers=2, batch_size=3),
-    "w2-b3-droplast-persistent": dict(num_workers=2, batch_size=3, drop_last=True, persistent_workers=True),
+    "w2-b3-droplast-persistent": dict(
+        num_workers=2, batch_size=3, drop_last=True, persistent_workers=True
+    ),
     "w3-bNone": dict(num_workers=3, batch_size=None),
     "w2-b2-unordered": dict(num_workers=2, batch_size=2, in_order=False),
 }

@@ -1,0 +1,201 @@
+"""The result channel from a worker to the main process: a Unix socketpair, framed by hand.
+
+Why not torch's usual path (a pipe, with each tensor's shared-memory fd fetched afterwards by
+connecting back to the sender's resource-sharer thread)? Because unpickling would then depend on
+the sender being alive and responsive: a worker SIGSTOPped (or hung) after sending leaves the
+main process blocked forever inside ``pickle.loads``. Here the fds travel *in-band*, attached to
+the message with SCM_RIGHTS, so a received message needs nothing more from its sender; and the
+main side reads without ever blocking (``Receiver.feed``), so a worker stopped halfway through a
+send cannot stall it either.
+
+Frame: header ``<II`` (payload length, number of fds) sent with the fds attached, then the
+pickled payload. Storages of at most ``INLINE_MAX`` bytes are copied into the payload instead:
+for small batches that is cheaper than passing and mapping an fd.
+"""
+
+from __future__ import annotations
+
+import array
+import io
+import os
+import socket
+import struct
+import threading
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+
+_HEADER = struct.Struct("<II")
+# Linux refuses more than SCM_MAX_FD (253) fds in one message; storages beyond this many in
+# one batch are copied into the payload instead.
+FDS_PER_MSG = 250
+# Copy storages up to this size into the message: one memcpy beats an fd round trip + mmap.
+INLINE_MAX = 32 * 1024
+_RECV_CHUNK = 1 << 20
+_ANC_SPACE = socket.CMSG_SPACE(FDS_PER_MSG * array.array("i").itemsize)
+
+_tls = threading.local()
+
+
+def _rebuild_fd_storage(index: int, nbytes: int) -> torch.UntypedStorage:
+    fd = _tls.fds[index]
+    _tls.used.add(index)
+    try:
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
+    finally:
+        os.close(fd)
+
+
+def _rebuild_bytes_storage(data: bytes) -> torch.UntypedStorage:
+    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
+
+
+def _rebuild_empty_storage() -> torch.UntypedStorage:
+    return torch.UntypedStorage(0)
+
+
+class _Pickler(ForkingPickler):
+    """ForkingPickler (torch's reductions included) with in-band fds for CPU storages."""
+
+    def __init__(self, file: Any, fds: list[int]) -> None:
+        super().__init__(file, 5)
+        self._fds = fds
+        self.dispatch_table[torch.UntypedStorage] = self._reduce_storage
+
+    def _reduce_storage(self, storage: torch.UntypedStorage) -> Any:
+        if storage.device.type != "cpu":
+            raise RuntimeError("cannot send a non-CPU storage from a DataLoader worker")
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return (_rebuild_empty_storage, ())
+        if nbytes <= INLINE_MAX or len(self._fds) >= FDS_PER_MSG:
+            view = torch.empty(0, dtype=torch.uint8).set_(storage)
+            return (_rebuild_bytes_storage, (view.numpy().tobytes(),))
+        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+            from torch.multiprocessing.reductions import reduce_storage
+
+            return reduce_storage(storage)  # file_system: needs no live sender
+        fd, size = storage._share_fd_cpu_()
+        self._fds.append(fd)
+        return (_rebuild_fd_storage, (len(self._fds) - 1, size))
+
+
+def dumps(obj: Any) -> tuple[bytes, list[int]]:
+    """Pickle ``obj``; returns the payload and the fds it refers to (owned by their storages)."""
+    buf = io.BytesIO()
+    fds: list[int] = []
+    _Pickler(buf, fds).dump(obj)
+    return buf.getvalue(), fds
+
+
+def send(sock: socket.socket, obj: Any) -> None:
+    """Worker side: send one message (blocking). Pickling errors raise before any byte is sent."""
+    payload, fds = dumps(obj)
+    header = _HEADER.pack(len(payload), len(fds))
+    if fds:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        sent = sock.sendmsg([header, payload], anc)
+    else:
+        sent = sock.send(header + payload) if len(payload) < 65536 else 0
+    data = memoryview(header + payload) if sent < len(header) + len(payload) else None
+    if data is not None:
+        sock.sendall(data[sent:])
+
+
+class ChannelClosed(Exception):
+    """The peer closed its end (it exited or died)."""
+
+
+class Receiver:
+    """Main side: assembles messages from a non-blocking socket; never blocks.
+
+    ``feed()`` reads what is available and returns the complete messages, each unpickled.
+    Invariant: ``_fds`` holds exactly the fds received for the message being assembled; they
+    are closed if the channel closes first.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()  # kept after close(): the supervisor unregisters by number
+        self._buf = bytearray()
+        self._need_fds = 0
+        self._payload_len = -1
+        self._fds: list[int] = []
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def _recv(self) -> bool:
+        """One read; False if nothing was available.
+
+        Always recvmsg with room for fds: a plain recv() that meets a segment carrying fds
+        makes the kernel discard them.
+        """
+        try:
+            data, anc, _flags, _addr = self.sock.recvmsg(_RECV_CHUNK, _ANC_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise ChannelClosed(str(exc)) from exc
+        for level, kind, blob in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(blob[: len(blob) - len(blob) % fds.itemsize])
+                self._fds.extend(fds)
+        if not data:
+            raise ChannelClosed("end of stream")
+        self._buf += data
+        return True
+
+    def feed(self) -> list[Any]:
+        """Read everything available; return the messages completed (may be empty).
+
+        Raises:
+            ChannelClosed: the sender is gone (a partial message is discarded).
+        """
+        out = []
+        while True:
+            if self._payload_len < 0 and len(self._buf) >= _HEADER.size:
+                self._payload_len, self._need_fds = _HEADER.unpack_from(self._buf)
+                del self._buf[: _HEADER.size]
+            if (
+                self._payload_len >= 0
+                and len(self._buf) >= self._payload_len
+                and len(self._fds) >= self._need_fds
+            ):
+                payload = bytes(self._buf[: self._payload_len])
+                del self._buf[: self._payload_len]
+                fds = self._fds[: self._need_fds]
+                del self._fds[: self._need_fds]  # any further fds belong to the next message
+                self._payload_len = -1
+                self._need_fds = 0
+                out.append(self._decode(payload, fds))
+                continue
+            got = self._recv()  # ChannelClosed propagates; the owner closes us
+            if not got:
+                return out
+
+    def _decode(self, payload: bytes, fds: list[int]) -> Any:
+        _tls.fds, _tls.used = fds, set()
+        try:
+            return ForkingPickler.loads(payload)
+        finally:
+            for i, fd in enumerate(fds):
+                if i not in _tls.used:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            _tls.fds = _tls.used = None
+
+    def close(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
+        self._buf.clear()
+        self.sock.close()

@@ -1,0 +1,330 @@
+"""The supervisor: dead and hung workers are replaced and the stream comes out identical.
+
+Each case runs a loader whose workers die (or hang) at a chosen batch and compares what it
+delivers with an uninterrupted reference run; the autouse fixture in conftest.py then checks
+that no child process, thread, fd or shm segment was left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import warnings
+
+import pytest
+import torch
+from _datasets import RandomAugDataset
+from _streams import Shard, StatefulShard
+
+from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
+from resumable_loader.testing import Fault, FaultyDataset, FaultyStream, canonical, kill_worker
+
+N, BS = 24, 4  # 6 batches: task t holds samples 4t .. 4t+3
+POSITIONS = {"first": 1, "mid": 10, "last": 23}
+ALL_METHODS = ["fork", "spawn", "forkserver"]
+
+
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(42)
+
+
+def reference(**kw) -> list:
+    loader = DataLoader(RandomAugDataset(N), batch_size=BS, generator=gen(), **kw)
+    return [canonical(b) for b in loader]
+
+
+def faulty_loader(tmp_path, faults: dict, **kw) -> DataLoader:
+    kw.setdefault("num_workers", 2)
+    kw.setdefault("multiprocessing_context", "fork")
+    ds = FaultyDataset(RandomAugDataset(N), faults, tmp_path)
+    return DataLoader(ds, batch_size=BS, generator=gen(), **kw)
+
+
+# ---- deaths inside the worker, at the first / a middle / the last batch -------------------------
+@pytest.mark.parametrize("where", list(POSITIONS))
+@pytest.mark.parametrize("action", ["sigkill", "sigsegv", "exit"])
+def test_worker_death_is_invisible_in_the_stream(tmp_path, action: str, where: str) -> None:
+    loader = faulty_loader(tmp_path, {POSITIONS[where]: Fault(action)})
+    got = [canonical(b) for b in loader]
+    stats = loader.statistics()
+    assert got == reference()
+    assert stats.respawns == 1, stats
+    expected_cause = {"sigkill": "signal:SIGKILL", "sigsegv": "signal:SIGSEGV", "exit": "exit:3"}[
+        action
+    ]
+    assert dict(stats.respawns_by_cause) == {expected_cause: 1}
+    assert stats.resent_tasks >= 1
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_all_workers_dying_at_once_under_each_start_method(tmp_path, method: str) -> None:
+    # Tasks 0 and 1 start together on workers 0 and 1; both die on their first attempt.
+    loader = faulty_loader(
+        tmp_path, {1: Fault("sigkill"), 5: Fault("sigsegv")}, multiprocessing_context=method
+    )
+    got = [canonical(b) for b in loader]
+    assert got == reference()
+    assert loader.statistics().respawns == 2
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_sigkill_from_outside_mid_epoch(method: str) -> None:
+    # 4 * N samples: many more batches than can be in flight when the workers are killed.
+    def make(**kw) -> DataLoader:
+        return DataLoader(RandomAugDataset(4 * N), batch_size=BS, generator=gen(), **kw)
+
+    ref = [canonical(b) for b in make()]
+    loader = make(num_workers=2, multiprocessing_context=method)
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(canonical(batch))
+        if i == 2:
+            kill_worker(loader, 0, signal.SIGKILL)
+            kill_worker(loader, 1, signal.SIGKILL)
+    assert got == ref
+    assert loader.statistics().respawns_by_cause["signal:SIGKILL"] == 2
+
+
+def test_hung_worker_is_killed_after_task_timeout(tmp_path) -> None:
+    loader = faulty_loader(tmp_path, {10: Fault("stop")}, task_timeout=1.0)
+    got = [canonical(b) for b in loader]
+    assert got == reference()
+    assert dict(loader.statistics().respawns_by_cause) == {"hang": 1}
+
+
+def test_worker_hung_in_user_code_is_replaced(tmp_path) -> None:
+    loader = faulty_loader(tmp_path, {23: Fault("hang")}, task_timeout=1.0)
+    assert [canonical(b) for b in loader] == reference()
+    assert loader.statistics().respawns_by_cause["hang"] == 1
+
+
+def test_timeout_alone_never_declares_a_worker_dead(tmp_path) -> None:
+    # torch's `timeout` raises in the caller; the worker is not killed or respawned for it.
+    loader = faulty_loader(tmp_path, {10: Fault("stop")}, timeout=0.5)
+    it = iter(loader)
+    next(it)
+    next(it)
+    with pytest.raises(RuntimeError, match=r"timed out after 0\.5 seconds"):
+        for _ in it:
+            pass
+    assert loader.statistics().respawns == 0
+    loader.close()  # the stopped worker is killed on close
+
+
+# ---- poison tasks -------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_poison_sample_raises_naming_the_samples_then_the_stream_goes_on(
+    tmp_path, method: str
+) -> None:
+    loader = faulty_loader(
+        tmp_path, {10: Fault("sigkill", attempts=None)}, multiprocessing_context=method
+    )
+    ref = reference()
+    got = []
+    it = iter(loader)
+    with pytest.raises(WorkerCrashError) as info:
+        for batch in it:
+            got.append(canonical(batch))
+    err = info.value
+    assert got == ref[:2]
+    assert err.indices == [8, 9, 10, 11] and err.task_id == 2
+    assert "[8, 9, 10, 11]" in str(err) and "SIGKILL" in str(err) and "on_poison='skip'" in str(err)
+    assert len(err.attempts) == 3 and all("pid" in a for a in err.attempts)
+    assert isinstance(err, RuntimeError)
+    rest = [canonical(b) for b in it]
+    assert rest == ref[3:], "the batches after the poison task must still come, in order"
+
+
+def test_poison_sample_can_be_skipped(tmp_path) -> None:
+    loader = faulty_loader(tmp_path, {23: Fault("exit", attempts=None)}, on_poison="skip")
+    with pytest.warns(RuntimeWarning, match=r"\[20, 21, 22, 23\]"):
+        got = [canonical(b) for b in loader]
+    assert got == reference()[:-1]
+    stats = loader.statistics()
+    assert stats.skipped_tasks == ((0, 5, [20, 21, 22, 23]),)
+    assert loader.state_dict()["skipped"] == [[0, 5, [20, 21, 22, 23]]]
+
+
+def test_max_task_attempts_bounds_the_retries(tmp_path) -> None:
+    loader = faulty_loader(
+        tmp_path, {1: Fault("sigkill", attempts=frozenset({0, 1}))}, max_task_attempts=3
+    )
+    assert [canonical(b) for b in loader] == reference()
+    loader2 = faulty_loader(
+        tmp_path / "x", {1: Fault("sigkill", attempts=frozenset({0}))}, max_task_attempts=1
+    )
+    (tmp_path / "x").mkdir(exist_ok=True)
+    with pytest.raises(WorkerCrashError, match="max_task_attempts=1"):
+        list(loader2)
+    loader2.close()
+
+
+# ---- errors that are not crashes ----------------------------------------------------------------
+def test_unpicklable_result_is_an_error_at_its_position(tmp_path) -> None:
+    # collate_fn=list keeps the items as they are, so the batch really holds the lambda.
+    loader = faulty_loader(tmp_path, {10: Fault("unpicklable")}, collate_fn=list)
+    ref = reference(collate_fn=list)
+    it = iter(loader)
+    got = [canonical(next(it)), canonical(next(it))]
+    with pytest.raises(Exception, match=r"could not be sent \(pickling\)"):
+        next(it)
+    got += [canonical(b) for b in it]
+    assert got == ref[:2] + ref[3:]
+    assert loader.statistics().respawns == 0
+
+
+def test_transient_errors_are_retried_with_identical_values(tmp_path) -> None:
+    loader = faulty_loader(
+        tmp_path,
+        {5: Fault("transient", attempts=frozenset({0, 1})), 17: Fault("transient")},
+        retry=RetryPolicy(attempts=3, backoff_s=0.001),
+    )
+    assert [canonical(b) for b in loader] == reference()
+    assert loader.statistics().retries == 3
+
+
+def test_transient_errors_beyond_the_policy_are_raised(tmp_path) -> None:
+    loader = faulty_loader(
+        tmp_path,
+        {5: Fault("transient", attempts=None)},
+        retry=RetryPolicy(attempts=2, backoff_s=0.001),
+    )
+    with pytest.raises(OSError, match="transient error"):
+        list(loader)
+    loader.close()
+
+
+class FlakyInit:
+    """A worker_init_fn failing the first ``times`` starts of worker ``wid`` (counted in a file)."""
+
+    def __init__(self, path: str, wid: int | None, times: int) -> None:
+        self.path, self.wid, self.times = path, wid, times
+
+    def __call__(self, worker_id: int) -> None:
+        if self.wid is not None and worker_id != self.wid:
+            return
+        with open(self.path, "a") as f:
+            f.write(".")
+        if os.path.getsize(self.path) <= self.times:
+            raise ConnectionError("init could not reach the data server")
+
+
+def test_worker_init_fn_failure_is_retried(tmp_path) -> None:
+    loader = DataLoader(
+        RandomAugDataset(N),
+        batch_size=BS,
+        num_workers=2,
+        generator=gen(),
+        worker_init_fn=FlakyInit(str(tmp_path / "n"), wid=1, times=1),
+    )
+    assert [canonical(b) for b in loader] == reference()
+    assert loader.statistics().respawns_by_cause["init_error"] == 1
+
+
+def test_worker_init_fn_failing_every_time_raises_with_its_traceback(tmp_path) -> None:
+    loader = DataLoader(
+        RandomAugDataset(N),
+        batch_size=BS,
+        num_workers=2,
+        worker_init_fn=FlakyInit(str(tmp_path / "n"), wid=None, times=100),
+    )
+    with pytest.raises(WorkerCrashError, match="failed to start 3 times") as info:
+        list(loader)
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert "data server" in str(info.value.__cause__)
+    # The loader is broken, but its state still says what was consumed.
+    assert loader.state_dict()["consumed"] == 0
+    loader.close()
+
+
+# ---- variations: in_order=False, pin thread, persistent workers, threads ------------------------
+def test_unordered_stream_survives_deaths(tmp_path) -> None:
+    loader = faulty_loader(tmp_path, {1: Fault("sigkill"), 14: Fault("sigsegv")}, in_order=False)
+    got = sorted(map(repr, (canonical(b) for b in loader)))
+    assert got == sorted(map(repr, reference()))
+
+
+def test_pin_thread_path_survives_deaths(tmp_path) -> None:
+    pinned = []
+
+    def fake_pin(batch):
+        pinned.append(1)
+        return batch
+
+    loader = faulty_loader(tmp_path, {10: Fault("sigkill"), 18: Fault("exit")})
+    loader._force_pin_fn = fake_pin  # the pin thread, without needing an accelerator
+    got = [canonical(b) for b in loader]
+    assert got == reference()
+    assert len(pinned) == len(got)
+
+
+def test_persistent_workers_recover_across_epochs(tmp_path) -> None:
+    loader = faulty_loader(
+        tmp_path, {10: Fault("sigkill", attempts=frozenset({0, 1}))}, persistent_workers=True
+    )
+    ref_loader = DataLoader(RandomAugDataset(N), batch_size=BS, generator=gen())
+    ref = [[canonical(b) for b in ref_loader] for _ in range(3)]
+    got = [[canonical(b) for b in loader] for _ in range(3)]
+    assert got == ref
+    assert loader.statistics().respawns == 2  # attempts 0 and 1: epoch 0 and epoch 1
+    loader.close()
+
+
+def test_iterating_from_another_thread(tmp_path) -> None:
+    loader = faulty_loader(tmp_path, {10: Fault("sigkill")})
+    out: list = []
+    t = threading.Thread(target=lambda: out.extend(canonical(b) for b in loader))
+    t.start()
+    t.join(60)
+    assert out == reference()
+
+
+def test_respawns_are_logged_with_worker_pid_cause_and_samples(tmp_path, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="resumable_loader")
+    loader = faulty_loader(tmp_path, {10: Fault("sigkill")})
+    list(loader)
+    text = caplog.text
+    assert "was killed by SIGKILL while loading samples [8, 9, 10, 11]" in text
+    assert "re-sending tasks" in text and "->" in text
+
+
+# ---- streams ------------------------------------------------------------------------------------
+def sample_id(item) -> int:
+    return int(item[0])
+
+
+@pytest.mark.parametrize("cls", [StatefulShard, Shard])
+@pytest.mark.parametrize("where", [0, 9, 13], ids=["first", "mid", "last"])
+def test_stream_worker_killed_mid_stream_continues_exactly(tmp_path, cls, where) -> None:
+    # Shard(14) over 2 workers: worker 0 yields 0, 2, .., 12; worker 1 yields 1, 3, .., 15.
+    def make(faults):
+        return DataLoader(
+            FaultyStream(cls(14), faults, tmp_path, key=sample_id),
+            batch_size=3,
+            num_workers=2,
+            generator=gen(),
+        )
+
+    ref = [canonical(b) for b in make({})]
+    loader = make({where: Fault("sigkill")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = [canonical(b) for b in loader]
+    assert got == ref
+    assert loader.statistics().respawns == 1
+
+
+def test_stream_poison_ends_that_workers_shard(tmp_path) -> None:
+    # Worker 1 yields 1, 3, 5, ..: sample 5 kills it every time, in its third batch.
+    faults = {5: Fault("sigkill", attempts=None)}
+    loader = DataLoader(
+        FaultyStream(StatefulShard(10), faults, tmp_path, key=sample_id),
+        batch_size=1,
+        num_workers=2,
+        on_poison="skip",
+    )
+    with pytest.warns(RuntimeWarning, match="gave up"):
+        got = [int(v) for b in loader for v in b[:, 0]]
+    assert sorted(got) == sorted([*range(0, 10, 2), 1, 3]), "worker 1's shard ends at the poison"
