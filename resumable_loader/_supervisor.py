@@ -25,6 +25,7 @@ send order.
 from __future__ import annotations
 
 import collections
+import glob
 import logging
 import multiprocessing
 import os
@@ -146,6 +147,26 @@ def exit_cause(exitcode: int | None) -> str:
         except ValueError:
             return f"signal:{-exitcode}"
     return f"exit:{exitcode}"
+
+
+def remove_orphaned_shm(pid: int) -> int:
+    """Unlink /dev/shm segments a dead worker created and never got to unlink.
+
+    torch names a segment ``torch_<pid>_...``, maps it, then unlinks the name; a worker
+    SIGKILLed (the OOM killer) between the two leaves the name behind forever. Once the worker
+    is reaped, any name of its pid that is still there is orphaned: every result we received
+    from it was mapped on receipt, and results still in flight are discarded with its socket.
+    """
+    removed = 0
+    for path in glob.glob(f"/dev/shm/torch_{pid}_*"):
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    if removed:
+        log.debug("removed %d orphaned shared-memory segments of dead worker pid %d", removed, pid)
+    return removed
 
 
 class WorkerSlot:
@@ -322,6 +343,8 @@ class Supervisor:
                 proc.kill()
                 proc.join(KILL_JOIN_S)
             exitcode = proc.exitcode
+            if exitcode is not None and proc.pid:
+                remove_orphaned_shm(proc.pid)
         self._release(slot)
         if proc is not None:
             try:
@@ -474,6 +497,8 @@ class Supervisor:
                 except OSError:
                     pass
                 proc.join(KILL_JOIN_S)
+            if proc.exitcode is not None and proc.exitcode < 0 and proc.pid:
+                remove_orphaned_shm(proc.pid)  # killed: it may have died mid-allocation
             self._unwatch(proc.sentinel)
             try:
                 proc.close()

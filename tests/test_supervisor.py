@@ -328,3 +328,28 @@ def test_stream_poison_ends_that_workers_shard(tmp_path) -> None:
     with pytest.warns(RuntimeWarning, match="gave up"):
         got = [int(v) for b in loader for v in b[:, 0]]
     assert sorted(got) == sorted([*range(0, 10, 2), 1, 3]), "worker 1's shard ends at the poison"
+
+
+class DiesMidAllocation(RandomAugDataset):
+    """Sample 10 leaves a segment named like torch's in /dev/shm, then the worker is killed:
+    the window between torch's shm_open and unlink, hit by the OOM killer."""
+
+    def __init__(self, n: int, marker: str) -> None:
+        super().__init__(n)
+        self.marker = marker
+
+    def __getitem__(self, i: int):
+        if i == 10 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            with open(f"/dev/shm/torch_{os.getpid()}_regression_0", "wb") as f:
+                f.write(b"x")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+def test_shm_name_left_by_a_worker_killed_mid_allocation_is_removed(tmp_path) -> None:
+    ds = DiesMidAllocation(N, str(tmp_path / "once"))
+    loader = DataLoader(ds, batch_size=BS, num_workers=2, generator=gen())
+    assert [canonical(b) for b in loader] == reference()
+    assert loader.statistics().respawns == 1
+    # conftest's leak check then asserts that no torch_* entry is left in /dev/shm.
