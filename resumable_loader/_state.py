@@ -16,7 +16,9 @@ is json-able) and msgpack (``dump_state``). Keys:
                           which many samplers rewind), and the indices of drawn batches not
                           yet consumed
     workers, next_worker  iterable datasets only: per worker {id, delivered, exhausted,
-                          dataset_state}; the worker whose batch comes next
+                          dataset_state, state_at}: batches consumed, the dataset's state
+                          after ``state_at`` of them (the rest are replayed on resume); and
+                          the worker whose batch comes next
     skipped               poison tasks skipped so far: [epoch, task id, indices]
 """
 
@@ -76,6 +78,7 @@ class WorkerPosition:
     delivered: int = 0
     exhausted: bool = False
     dataset_state: Any = None
+    state_at: int = 0  # dataset_state was taken after this many of the delivered fetches
 
 
 @dataclass
@@ -190,8 +193,15 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
                 raise _fail(
                     f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged"
                 )
+            at = w.get("state_at", w["delivered"] if w.get("dataset_state") is not None else 0)
+            if type(at) is not int or not 0 <= at <= w["delivered"]:
+                raise _fail(
+                    f"{K_WORKERS}[{i}].state_at",
+                    f"expected an int in [0, delivered={w['delivered']}], got {at!r}",
+                    "the state is damaged",
+                )
             rp.workers.append(
-                WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state"))
+                WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state"), at)
             )
         rp.next_worker = _int(sd, K_NEXT_WORKER)
         if rp.next_worker >= n:

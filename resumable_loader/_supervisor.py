@@ -188,6 +188,7 @@ class WorkerSlot:
         self.exhausted = False  # an END was received from this slot
         self.recv_state: dict[Any, bytes] = {}
         self.recv_count = 0  # fetches received
+        self.recv_at = 0  # recv_state was taken after this many fetches
         self.next_k = 0  # fetch number of the next new task
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import math
 import os
 import pickle
 import signal
@@ -32,7 +33,8 @@ from ._seeding import STREAM, TASK, derive_seed, seed_global_rngs
 
 # Main -> worker message tags.
 EPOCH = 0  # (EPOCH, gen, epoch, base_seed, resume)
-#   resume: None | ("state", sd, encoded: bool) | ("skip", n)
+#   resume (streams): None, or (state | None, encoded: bool, state_at, count): load the state
+#   (taken after `state_at` fetches), then replay fetches state_at .. count-1 without sending.
 TASK_MSG = 1  # (TASK_MSG, gen, tid, payload) -- payload: indices (map) or fetch number k (stream)
 STOP = 2  # (STOP,)
 
@@ -40,12 +42,24 @@ STOP = 2  # (STOP,)
 READY = 10  # (READY, worker_id, pid)
 INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
 RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries, drained)
+#   state_delta: None, or the stream state after this fetch (changed keys only, pickled)
 #   drained: the stream ran dry while this batch was filled (its state may already be rewound)
 
 # RESULT status values.
 OK = 0
 ERROR = 1  # payload is a WorkerError, re-raised in the main process
 END = 2  # the worker's stream is exhausted; payload None
+
+# Stream state snapshots may cost at most this fraction of the fetch time: a state that is
+# expensive to take (a 100k-entry shuffle buffer) then rides with every k-th result only, and a
+# resume or respawn replays the < k fetches since (seeded, hence exact). Cheap states -- the
+# usual cursor -- ride with every result and nothing is ever read twice.
+STATE_BUDGET = 0.05
+# ... and never fewer than one snapshot per this many fetches, which bounds a replay.
+MAX_STATE_INTERVAL = 256
+# A snapshot cheaper than this always rides with its result, whatever the fetch costs: it is
+# below the loader's own fixed cost per batch, so saving it would buy nothing.
+STATE_FREE_S = 50e-6
 
 # How often an idle worker checks that its parent is still alive. A worker whose parent died
 # must not linger; one second keeps the check cheap and the orphan's life short.
@@ -130,7 +144,11 @@ class StreamFetcher:
 
     The state holder is the dataset if it has ``state_dict``/``load_state_dict`` (the
     torch/torchdata "Stateful" shape), else the iterator if it has them, else nothing (the
-    stream is then fast-forwarded by skipping fetches).
+    stream is then fast-forwarded by replaying fetches).
+
+    Args:
+        state_every: take the state after every n-th fetch; None: adaptively, so that taking
+            it costs at most STATE_BUDGET of the fetch time (every fetch when it is cheap).
     """
 
     def __init__(
@@ -140,6 +158,7 @@ class StreamFetcher:
         collate_fn: Any,
         batch_size: int | None,
         drop_last: bool,
+        state_every: int | None = None,
     ) -> None:
         self.dataset = dataset
         self.auto = auto_collation
@@ -150,6 +169,12 @@ class StreamFetcher:
         self.ended = False
         self.holder: Any = None
         self.prev_state: dict[Any, bytes] = {}
+        self.state_every = state_every
+        self.interval = 1
+        self.since_state = 0
+        self.count = 0  # fetches made this epoch
+        self._fetch_s: float | None = None
+        self._state_s: float | None = None
 
     @property
     def stateful(self) -> bool:
@@ -159,10 +184,17 @@ class StreamFetcher:
         """Begin the epoch's stream; restore it from ``resume`` (see EPOCH)."""
         self.ended = False
         self.prev_state = {}
+        self.count = 0
+        self.since_state = 0
         ds = self.dataset
         state = None
-        if resume is not None and resume[0] == "state":
-            state = decode_state(resume[1]) if resume[2] else resume[1]
+        at = count = 0
+        if resume is not None:
+            raw, encoded, at, count = resume
+            if raw:
+                state = decode_state(raw) if encoded else raw
+                if encoded:
+                    self.prev_state = dict(raw)  # what the main process holds: deltas from it
         if _has_state(ds):
             if state is not None:
                 ds.load_state_dict(state)
@@ -178,13 +210,15 @@ class StreamFetcher:
                         "iterator has load_state_dict()"
                     )
                 self.holder.load_state_dict(state)
-        if resume is not None and resume[0] == "skip":
-            for k in range(resume[1]):
-                seed_global_rngs(seed_for(k))
-                try:
-                    self._pull()
-                except StreamEnd:
-                    break
+        for k in range(at, count):
+            seed_global_rngs(seed_for(k))
+            try:
+                self._pull()
+            except StreamEnd:
+                break
+            except Exception:
+                pass  # that fetch failed in the original run too; its error was delivered
+        self.count = count
 
     def _pull(self) -> list[Any] | Any:
         if self.ended:
@@ -213,14 +247,38 @@ class StreamFetcher:
     def fetch(self, _k: Any = None) -> Any:
         return self.collate(self._pull())
 
-    def state_delta(self) -> dict[Any, bytes] | None:
-        """The changed keys of the holder's state since the last call, pickled per key.
+    def after_fetch(self, fetch_s: float) -> dict[Any, bytes] | None:
+        """Count a fetch; return the state delta if a snapshot is due with this result."""
+        self.count += 1
+        if self.holder is None:
+            return None
+        f = self._fetch_s
+        self._fetch_s = fetch_s if f is None else 0.8 * f + 0.2 * fetch_s
+        self.since_state += 1
+        due = self.state_every if self.state_every is not None else self.interval
+        if self.since_state < due:
+            return None
+        self.since_state = 0
+        t0 = time.perf_counter()
+        delta = self.state_delta()
+        took = time.perf_counter() - t0
+        if self.state_every is None:
+            c = self._state_s
+            self._state_s = took if c is None else 0.8 * c + 0.2 * took
+            if self._state_s <= STATE_FREE_S:
+                self.interval = 1
+            else:
+                budget = STATE_BUDGET * max(self._fetch_s, 1e-9)
+                ratio = math.ceil(self._state_s / budget)
+                self.interval = max(1, min(MAX_STATE_INTERVAL, ratio))
+        return delta
+
+    def state_delta(self) -> dict[Any, bytes]:
+        """The changed keys of the holder's state since the last snapshot, pickled per key.
 
         Only changed values travel to the main process; unchanged ones are compared as bytes
         here, in the worker, which has the time (it runs in parallel with the others).
         """
-        if self.holder is None:
-            return None
         sd = self.holder.state_dict()
         if not isinstance(sd, dict):
             sd = {None: sd}
@@ -301,6 +359,7 @@ class WorkerSpec:
         self.base_seed: int = kw["base_seed"]
         self.init_fn: Any = kw["init_fn"]
         self.retry: Any = kw["retry"]
+        self.state_every: int | None = kw.get("state_every")
         self.close_fds: list[int] = kw.get("close_fds", [])
 
 
@@ -365,7 +424,12 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
     fetcher: Any
     if spec.iterable:
         fetcher = StreamFetcher(
-            spec.dataset, spec.auto_collation, spec.collate_fn, spec.batch_size, spec.drop_last
+            spec.dataset,
+            spec.auto_collation,
+            spec.collate_fn,
+            spec.batch_size,
+            spec.drop_last,
+            spec.state_every,
         )
     else:
         fetcher = MapFetcher(spec.dataset, spec.auto_collation, spec.collate_fn)
@@ -425,8 +489,15 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         retries = 0
         try:
             if spec.iterable:
-                data, retries = run_stream(fetcher.fetch, payload)
-                delta = fetcher.state_delta()
+                t0 = time.perf_counter()
+                try:
+                    data, retries = run_stream(fetcher.fetch, payload)
+                except StreamEnd:
+                    raise
+                except Exception:
+                    fetcher.count += 1  # the fetch happened; a replay must make it too
+                    raise
+                delta = fetcher.after_fetch(time.perf_counter() - t0)
             else:
                 data, retries = run(fetcher.fetch, payload)
             msg = (RESULT, gen, tid, OK, data, delta, retries, spec.iterable and fetcher.ended)

@@ -389,7 +389,7 @@ def _kwargs(make, batching, workers, in_order, context="fork", **extra) -> dict:
     return kwargs
 
 
-@pytest.mark.parametrize(("make", "batching", "workers", "in_order"), _stream_configs())
+@pytest.mark.parametrize(("make", "batching", "workers", "in_order"), list(_stream_configs()))
 def test_stream_matches_torch(make, batching, workers, in_order) -> None:
     expected = list(TorchDataLoader(**_kwargs(make, batching, workers, in_order)))
     got = list(Ours(**_kwargs(make, batching, workers, in_order)))

@@ -298,6 +298,8 @@ STREAM_CONFIGS = {
     ),
     "w3-bNone": dict(num_workers=3, batch_size=None),
     "w2-b2-unordered": dict(num_workers=2, batch_size=2, in_order=False),
+    # The state rides with every 3rd result only: a resume replays the fetches since.
+    "w2-b2-sparse-state": dict(num_workers=2, batch_size=2, stream_state_every=3),
 }
 
 
