@@ -353,3 +353,30 @@ def test_shm_name_left_by_a_worker_killed_mid_allocation_is_removed(tmp_path) ->
     assert [canonical(b) for b in loader] == reference()
     assert loader.statistics().respawns == 1
     # conftest's leak check then asserts that no torch_* entry is left in /dev/shm.
+
+
+def test_respawn_storm_ends_in_a_clear_error(tmp_path) -> None:
+    # Every sample kills its worker; with attempts effectively unlimited, only the storm
+    # guard stops the loop.
+    faults = {i: Fault("sigkill", attempts=None) for i in range(N)}
+    loader = faulty_loader(tmp_path, faults, max_task_attempts=1000)
+    with pytest.raises(WorkerCrashError, match="respawn storm"):
+        list(loader)
+    assert loader.state_dict()["consumed"] == 0  # the state still says what was consumed
+    loader.close()
+
+
+def test_sigchld_chains_to_the_previous_handler_and_restores_it(tmp_path) -> None:
+    calls = []
+
+    def previous(signum, frame):
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGCHLD, previous)
+    try:
+        loader = faulty_loader(tmp_path, {10: Fault("sigkill")})
+        assert [canonical(b) for b in loader] == reference()
+        assert calls, "the handler installed before the loader was not called"
+        assert signal.getsignal(signal.SIGCHLD) is previous, "the previous handler was not restored"
+    finally:
+        signal.signal(signal.SIGCHLD, old)
