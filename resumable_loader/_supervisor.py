@@ -38,7 +38,7 @@ from typing import Any
 
 from ._errors import WorkerCrashError
 from ._transport import ChannelClosed, Receiver
-from ._worker import INIT_ERROR, READY, WorkerSpec, worker_main
+from ._worker import INIT_ERROR, READY, STOP, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
 
@@ -313,9 +313,9 @@ class Supervisor:
             )
         self._start(slot)
 
-    def _release(self, slot: WorkerSlot) -> None:
-        """Unregister and close a slot's fds (its process must be gone or abandoned)."""
-        for conn in (slot.task_conn, slot.result_conn):
+    def _close_channels(self, slot: WorkerSlot) -> None:
+        """Unregister and close a slot's result socket and task pipe."""
+        for conn in (slot.result_conn, slot.task_conn):
             if conn is None:
                 continue
             try:
@@ -326,6 +326,10 @@ class Supervisor:
                 pass
             conn.close()
         slot.task_conn = slot.result_conn = None
+
+    def _release(self, slot: WorkerSlot) -> None:
+        """Close a slot's channels and stop watching it (its process must be gone)."""
+        self._close_channels(slot)
         if slot.proc is not None:
             self._unwatch(slot.proc.sentinel)
 
@@ -474,19 +478,10 @@ class Supervisor:
         self.closed = True
         live = [s for s in self.slots if s.proc is not None]
         for slot in live:
-            self.send(slot, (2,))  # STOP
-        # Closing our ends unblocks a worker stuck writing a large result to a full pipe.
+            self.send(slot, (STOP,))
+        # Closing our ends unblocks a worker stuck writing a large result to a full socket.
         for slot in live:
-            for conn in (slot.result_conn, slot.task_conn):
-                if conn is not None:
-                    try:
-                        fd = conn.fileno()
-                        self._unwatch(fd)
-                        _unregister_fds(fd)
-                    except OSError:
-                        pass
-                    conn.close()
-            slot.task_conn = slot.result_conn = None
+            self._close_channels(slot)
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for slot in live:
             slot.proc.join(max(0.0, deadline - time.monotonic()))
