@@ -5,6 +5,9 @@ Reference streams and resume checks:
     ``check_resume(make_loader, ...)``           save at every step k, rebuild, resume, compare
     ``canonical(batch)``                         a hashable, exactly comparable form of a batch
 
+Leak checks (what the test suite asserts after every test):
+    ``Resources.now()``, ``leaks_since(before)``   child processes, threads, fds, /dev/shm
+
 Fault injection (works under fork, spawn and forkserver; attempts are counted in files, so a
 respawned worker sees how often a sample already crashed):
     ``Fault``, ``FaultyDataset``, ``FaultyStream``   crash/hang/fail on chosen samples/attempts
@@ -30,9 +33,11 @@ __all__ = [
     "Fault",
     "FaultyDataset",
     "FaultyStream",
+    "Resources",
     "canonical",
     "check_resume",
     "kill_worker",
+    "leaks_since",
     "reference_stream",
     "roundtrip_state",
     "worker_pids",
@@ -350,3 +355,93 @@ def kill_worker(loader: Any, worker: int, sig: int = signal.SIGKILL) -> int:
         raise RuntimeError(f"worker {worker} is not running")
     os.kill(pid, sig)
     return pid
+
+
+# ---- leak checks ------------------------------------------------------------------------------
+# multiprocessing's own long-lived helpers are not a loader's to clean up.
+_MP_HELPERS = ("forkserver", "resource_tracker", "semaphore_tracker")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What this process holds that a loader could leak: a snapshot to compare against.
+
+    Attributes:
+        children: pids of child processes (zombies included; multiprocessing's own fork server
+            and resource tracker excluded).
+        threads: names of live threads started by this library (``resumable_loader-*``).
+        fds: open file descriptors.
+        shm: torch's /dev/shm entries (``torch_*``).
+    """
+
+    children: frozenset[int]
+    threads: frozenset[str]
+    fds: frozenset[int]
+    shm: frozenset[str]
+
+    @classmethod
+    def now(cls) -> Resources:
+        import threading
+
+        import psutil
+
+        children = set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    children.add(child.pid)
+                    continue
+                cmd = " ".join(child.cmdline())
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+            except psutil.AccessDenied:
+                cmd = ""
+            if not any(h in cmd for h in _MP_HELPERS):
+                children.add(child.pid)
+        threads = {t.name for t in threading.enumerate() if t.name.startswith("resumable_loader")}
+        fds = {int(x) for x in os.listdir("/proc/self/fd")}
+        try:
+            shm = {x for x in os.listdir("/dev/shm") if x.startswith("torch_")}
+        except FileNotFoundError:
+            shm = set()
+        return cls(frozenset(children), frozenset(threads), frozenset(fds), frozenset(shm))
+
+
+def leaks_since(before: Resources, settle_s: float = 10.0) -> list[str]:
+    """What was acquired since ``before`` and is still held, waiting up to ``settle_s`` for it
+    to go (a SIGKILLed worker is reaped a moment later); [] if nothing leaked.
+
+    Returns one readable line per kind of leak.
+    """
+    import gc
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        now = Resources.now()
+        leaked = (
+            now.children - before.children,
+            now.threads - before.threads,
+            now.fds - before.fds,
+            now.shm - before.shm,
+        )
+        if not any(leaked) or time.monotonic() >= deadline:
+            break
+        gc.collect()
+        time.sleep(0.02)
+    children, threads, fds, shm = leaked
+    problems = []
+    if children:
+        problems.append(f"child processes {sorted(children)}")
+    if threads:
+        problems.append(f"threads {sorted(threads)}")
+    if fds:
+        details = {}
+        for fd in sorted(fds):
+            try:
+                details[fd] = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                details[fd] = "?"
+        problems.append(f"file descriptors {details}")
+    if shm:
+        problems.append(f"/dev/shm entries {sorted(shm)}")
+    return problems
