@@ -111,21 +111,32 @@ class Receiver:
     """Main side: assembles messages from a non-blocking socket; never blocks.
 
     ``feed()`` reads what is available and returns the complete messages, each unpickled.
-    Invariant: ``_fds`` holds exactly the fds received for the message being assembled; they
-    are closed if the channel closes first.
+    A large payload is received straight into a buffer of its final size (no copies in the
+    main process, which is the pipeline's serial stage).
+    Invariant: ``_fds`` holds the fds received and not yet handed to a message, in order;
+    they are closed if the channel closes first.
     """
 
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.fd = sock.fileno()  # kept after close(): the supervisor unregisters by number
-        self._buf = bytearray()
+        self._buf = bytearray()  # bytes read but not yet part of a message body
+        self._body: bytearray | None = None  # the large payload being filled in place
+        self._got = 0  # bytes of _body filled
         self._need_fds = 0
         self._payload_len = -1
         self._fds: list[int] = []
 
     def fileno(self) -> int:
         return self.fd
+
+    def _take_fds(self, anc: list[tuple[int, int, bytes]]) -> None:
+        for level, kind, blob in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(blob[: len(blob) - len(blob) % fds.itemsize])
+                self._fds.extend(fds)
 
     def _recv(self) -> bool:
         """One read; False if nothing was available.
@@ -134,19 +145,24 @@ class Receiver:
         makes the kernel discard them.
         """
         try:
-            data, anc, _flags, _addr = self.sock.recvmsg(_RECV_CHUNK, _ANC_SPACE)
+            if self._body is not None and self._got < len(self._body):
+                view = memoryview(self._body)[self._got :]
+                n, anc, _flags, _addr = self.sock.recvmsg_into([view], _ANC_SPACE)
+                data = None
+            else:
+                data, anc, _flags, _addr = self.sock.recvmsg(_RECV_CHUNK, _ANC_SPACE)
+                n = len(data)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
             raise ChannelClosed(str(exc)) from exc
-        for level, kind, blob in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(blob[: len(blob) - len(blob) % fds.itemsize])
-                self._fds.extend(fds)
-        if not data:
+        self._take_fds(anc)
+        if n == 0:
             raise ChannelClosed("end of stream")
-        self._buf += data
+        if data is None:
+            self._got += n
+        else:
+            self._buf += data
         return True
 
     def feed(self) -> list[Any]:
@@ -160,24 +176,31 @@ class Receiver:
             if self._payload_len < 0 and len(self._buf) >= _HEADER.size:
                 self._payload_len, self._need_fds = _HEADER.unpack_from(self._buf)
                 del self._buf[: _HEADER.size]
-            if (
-                self._payload_len >= 0
-                and len(self._buf) >= self._payload_len
-                and len(self._fds) >= self._need_fds
-            ):
+                if self._payload_len > _RECV_CHUNK and len(self._buf) < self._payload_len:
+                    # Large: receive the rest in place, straight into its final buffer.
+                    self._body = bytearray(self._payload_len)
+                    self._got = len(self._buf)
+                    self._body[: self._got] = self._buf
+                    self._buf.clear()
+            # fds ride with the header's bytes, so they are normally here before the body is.
+            fds_ready = self._payload_len >= 0 and len(self._fds) >= self._need_fds
+            payload: Any = None
+            if fds_ready and self._body is not None and self._got == self._payload_len:
+                payload, self._body = self._body, None
+            elif fds_ready and self._body is None and len(self._buf) >= self._payload_len:
                 payload = bytes(self._buf[: self._payload_len])
                 del self._buf[: self._payload_len]
+            if payload is not None:
                 fds = self._fds[: self._need_fds]
                 del self._fds[: self._need_fds]  # any further fds belong to the next message
                 self._payload_len = -1
                 self._need_fds = 0
                 out.append(self._decode(payload, fds))
                 continue
-            got = self._recv()  # ChannelClosed propagates; the owner closes us
-            if not got:
+            if not self._recv():  # ChannelClosed propagates; the owner closes us
                 return out
 
-    def _decode(self, payload: bytes, fds: list[int]) -> Any:
+    def _decode(self, payload: bytes | bytearray, fds: list[int]) -> Any:
         _tls.fds, _tls.used = fds, set()
         try:
             return ForkingPickler.loads(payload)
