@@ -234,8 +234,16 @@ class _SingleProcessIter(_BaseIter):
                 at = wp.state_at if wp.dataset_state is not None else 0
                 resume = (wp.dataset_state, False, at, wp.delivered)
             base = self._base
+
+            def replay(fn: Any, fetch_seed: int) -> Any:
+                self._seed = fetch_seed
+                seed_global_rngs(fetch_seed)
+                return self._run(fn)[0]
+
             with GlobalRngGuard():
-                self._fetcher.start(resume, lambda k: derive_seed(STREAM, base, epoch, 0, k))
+                self._fetcher.start(
+                    resume, lambda k: derive_seed(STREAM, base, epoch, 0, k), replay
+                )
             self._k = wp.delivered
             self._exhausted = wp.exhausted
             self._tid = self._consumed
@@ -314,6 +322,7 @@ class _SingleProcessIter(_BaseIter):
             self._finish()
             raise StopIteration from None
         except Exception:
+            self._fetcher.fetch_failed()
             self._k += 1
             self._consumed += 1
             raise
@@ -478,11 +487,11 @@ class _MultiProcessIter(_BaseIter):
 
     # ---- the caller's side ---------------------------------------------------------------
     def __next__(self) -> Any:
+        if self.finished and not self._superseded:
+            raise StopIteration  # an exhausted iterator keeps saying so, as torch's does
         self._check_usable()
         if self._broken is not None:
             raise self._broken
-        if self.finished:
-            raise StopIteration
         reorder = self._reorder
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
@@ -634,7 +643,15 @@ class _MultiProcessIter(_BaseIter):
         self._counters.respawns_by_cause[key] += 1
         self._send_epoch(slot)
         if self._iterable:
-            disp.resend_stream(slot)
+            if slot.exhausted:
+                # Its shard ran dry in a batch already received: what it still held can only
+                # be ENDs. Resolve them here; a replacement would read the shard again.
+                for tid in sorted(slot.outstanding):
+                    disp.drop(tid)
+                    if not self._reorder.put(tid, (END, None, (slot.wid, None, True))):
+                        self._counters.duplicates_dropped += 1
+            else:
+                disp.resend_stream(slot)
         live = [t for t in tids if t in disp.tasks]
         self._counters.resent_tasks += len(live)
         if live:
@@ -1038,8 +1055,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if old is not None:
             old._superseded = True
             old.close()
-        if self._pool is not None and self._base_seed != rp.seed:
-            self._drop_pool()  # its workers were seeded from the old base seed
+        if self._pool is not None:
+            # Its workers carry datasets advanced by prefetching and seeds of the old state:
+            # resume as a freshly built loader would.
+            self._drop_pool()
         self._base_seed = rp.seed
         self._resume = rp
         self._next_epoch = rp.epoch

@@ -170,6 +170,7 @@ class StreamFetcher:
         self.drop_last = drop_last
         self.it: Any = None
         self.ended = False
+        self.partial: list[Any] = []  # items a failed attempt pulled; a retry starts with them
         self.holder: Any = None
         self.prev_state: dict[Any, bytes] = {}
         self.state_every = state_every
@@ -183,9 +184,15 @@ class StreamFetcher:
     def stateful(self) -> bool:
         return self.holder is not None
 
-    def start(self, resume: Any, seed_for: Any) -> None:
-        """Begin the epoch's stream; restore it from ``resume`` (see EPOCH)."""
+    def start(self, resume: Any, seed_for: Any, run: Any = None) -> None:
+        """Begin the epoch's stream; restore it from ``resume`` (see EPOCH).
+
+        ``run(fn, seed)`` seeds and calls ``fn`` under the fetch's retry policy: a replayed fetch
+        is retried exactly like the original was, so a transient error while replaying cannot
+        shift the stream.
+        """
         self.ended = False
+        self.partial = []
         self.prev_state = {}
         self.count = 0
         self.since_state = 0
@@ -214,13 +221,18 @@ class StreamFetcher:
                     )
                 self.holder.load_state_dict(state)
         for k in range(at, count):
-            seed_global_rngs(seed_for(k))
             try:
-                self._pull()
+                if run is not None:
+                    run(self._pull, seed_for(k))
+                else:
+                    seed_global_rngs(seed_for(k))
+                    self._pull()
             except StreamEnd:
                 break
             except Exception:
-                pass  # that fetch failed in the original run too; its error was delivered
+                # It failed after its retries in the original run too (fetches are seeded and
+                # deterministic); that error was delivered there.
+                self.fetch_failed()
         self.count = count
 
     def _pull(self) -> list[Any] | Any:
@@ -233,15 +245,18 @@ class StreamFetcher:
             except StopIteration:
                 self.ended = True
                 raise StreamEnd from None
-        items = []
+        items, self.partial = self.partial, []
         bs = self.batch_size
         assert bs is not None
-        for _ in range(bs):
+        while len(items) < bs:
             try:
                 items.append(next(it))
             except StopIteration:
                 self.ended = True
                 break
+            except BaseException:
+                self.partial = items  # a retry must not lose what this attempt already read
+                raise
         if not items or (self.drop_last and len(items) < bs):
             self.ended = True
             raise StreamEnd
@@ -249,6 +264,11 @@ class StreamFetcher:
 
     def fetch(self, _k: Any = None) -> Any:
         return self.collate(self._pull())
+
+    def fetch_failed(self) -> None:
+        """The fetch failed for good (its error goes to the caller): drop its partial batch,
+        as torch does."""
+        self.partial = []
 
     def after_fetch(self, fetch_s: float) -> dict[Any, bytes] | None:
         """Count a fetch; return the state delta if a snapshot is due with this result."""
@@ -455,6 +475,12 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         # stream. Transient-error retries therefore apply to map-style fetches and to stream
         # iterators that are classes, not generators.
         run_stream = make_retrier(None, reseed)
+    def run_stream_start(fn: Any, fetch_seed: int) -> Any:
+        nonlocal seed
+        seed = fetch_seed  # what reseed() restores before each retry
+        seed_global_rngs(seed)
+        return run_stream(fn)[0]
+
     pending: list[tuple[int, Any]] = []  # heap of (tid, payload)
 
     while True:
@@ -478,7 +504,7 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
                         return derive_seed(STREAM, _b, _e, wid, k)
 
                     try:
-                        fetcher.start(resume, seed_for)
+                        fetcher.start(resume, seed_for, run_stream_start)
                     except Exception:
                         err = WorkerError(f"while restoring the stream state {where}")
                         _send(result_conn, (INIT_ERROR, wid, err))
@@ -502,6 +528,7 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
                     raise
                 except Exception:
                     fetcher.count += 1  # the fetch happened; a replay must make it too
+                    fetcher.fetch_failed()
                     raise
                 delta = fetcher.after_fetch(time.perf_counter() - t0)
             else:
