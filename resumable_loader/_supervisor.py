@@ -56,9 +56,9 @@ SHUTDOWN_GRACE_S = 1.0
 # A worker that does not exit within this after SIGKILL is stuck in the kernel (D state);
 # give up waiting rather than hang the caller.
 KILL_JOIN_S = 5.0
-# Respawn-storm guard: more respawns than this within STORM_WINDOW_S is not a flaky worker but
-# a broken setup (e.g. every worker OOM-killed at start); raise instead of looping.
-STORM_WINDOW_S = 60.0
+# Respawn-storm guard: more respawns than max(this, 4 per worker) with not one result received
+# in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
+# raise instead of looping. Deaths between results are left to the per-task poison limit.
 STORM_MIN_RESPAWNS = 20
 
 # fds that the main process holds for all live supervisors; fork children close them.
@@ -236,7 +236,7 @@ class Supervisor:
         _ChildSignal.add(self._wake_w)
         self._extra_fds: dict[int, str] = {}
         self._last_poll = time.monotonic()
-        self._respawn_times: collections.deque[float] = collections.deque()
+        self.respawns_without_progress = 0
         self.closed = False
 
     # ---- fd bookkeeping ------------------------------------------------------------------
@@ -299,17 +299,14 @@ class Supervisor:
 
     def respawn(self, slot: WorkerSlot) -> None:
         """Start a replacement process for a DEAD slot (same worker id, same seeds)."""
-        now = time.monotonic()
-        times = self._respawn_times
-        times.append(now)
-        while times and now - times[0] > STORM_WINDOW_S:
-            times.popleft()
+        self.respawns_without_progress += 1
         limit = max(STORM_MIN_RESPAWNS, 4 * len(self.slots))
-        if len(times) > limit:
+        if self.respawns_without_progress > limit:
             raise WorkerCrashError(
-                f"respawn storm: {len(times)} worker respawns within {STORM_WINDOW_S:.0f} s "
-                f"(limit {limit}); workers are dying faster than they can do work. Check the "
-                "worker logs / dmesg for the OOM killer, lower num_workers or memory use."
+                f"respawn storm: {self.respawns_without_progress} worker respawns without a "
+                "single result in between: workers are dying faster than they can do work. "
+                "Check the worker logs / dmesg for the OOM killer, lower num_workers or memory "
+                "use."
             )
         self._start(slot)
 
@@ -428,6 +425,7 @@ class Supervisor:
                     slot.init_error = msg[2]
                     dead[slot] = ("failed to start", False)
                 else:
+                    self.respawns_without_progress = 0
                     events.append(("msg", slot, msg))
         now = time.monotonic()
         if now - self._last_poll >= POLL_INTERVAL_S:
