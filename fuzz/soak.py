@@ -47,9 +47,18 @@ class Augmented(Dataset):
         )
 
 
+def _helper(child: psutil.Process) -> bool:
+    """multiprocessing's own fork server / resource tracker: not the loader's children."""
+    try:
+        cmd = " ".join(child.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+        return False  # a zombie is a child not reaped yet: it counts
+    return "forkserver" in cmd or "resource_tracker" in cmd
+
+
 def snapshot() -> dict[str, int]:
     me = psutil.Process()
-    kids = [c for c in me.children(recursive=True) if "forkserver" not in " ".join(c.cmdline())]
+    kids = [c for c in me.children(recursive=True) if not _helper(c)]
     try:
         shm = len([x for x in os.listdir("/dev/shm") if x.startswith("torch_")])
     except FileNotFoundError:
@@ -103,7 +112,8 @@ def main() -> int:
             delivered += 1
             if start is None:
                 start = snapshot()
-            if delivered % args.kill_every == 0:
+            # (Not after the last batch: nothing would be left to notice that death.)
+            if delivered % args.kill_every == 0 and delivered < args.batches:
                 pids = [pid for pid in worker_pids(loader) if pid > 0]
                 if pids:
                     os.kill(pids[kills % len(pids)], signal.SIGKILL)

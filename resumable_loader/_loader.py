@@ -209,7 +209,11 @@ class _SingleProcessIter(_BaseIter):
         plan = self._plan
         self._pin = loader._pin_fn()
         self._seed: int = 0
-        self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
+        if self._iterable:
+            # As in workers: a stream retry keeps what was read and continues the RNG.
+            self._run = make_retrier(loader.retry, lambda: None)
+        else:
+            self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
         # Ids > consumed already delivered (for the state), and the ids to skip when drawn:
         # two sets, because advancing ``consumed`` must not forget what is still to skip.
         self._ahead = set(rp.ahead) if rp else set()
@@ -597,7 +601,9 @@ class _MultiProcessIter(_BaseIter):
             if drained:
                 slot.exhausted = True  # no further task to this worker
         item = (status, payload, (slot.wid, delta, drained) if self._iterable else None)
-        if status == OK and self._pin is not None:
+        if self._pin is not None:
+            # Everything goes through the pin thread's FIFO, errors and ENDs too: a stream's
+            # END must not overtake that worker's batches still being pinned.
             self._pin.submit(tid, item)
         elif not self._reorder.put(tid, item):
             self._counters.duplicates_dropped += 1

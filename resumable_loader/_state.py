@@ -99,6 +99,23 @@ class ResumePoint:
     source: dict[str, Any] | None = None  # the state it came from, for state_dict()
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equality that is a plain bool for plain data and False for anything else (an array's
+    ``==`` is elementwise, and its truth value raises)."""
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _indices_ok(idx: Any) -> bool:
+    if type(idx) is int:
+        return idx >= 0
+    return isinstance(idx, list) and bool(idx) and all(type(i) is int and i >= 0 for i in idx)
+
+
 def _fail(field_name: str, problem: str, fix: str) -> CheckpointError:
     return CheckpointError(f"cannot load DataLoader state: {field_name}: {problem}. {fix}.")
 
@@ -120,14 +137,14 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
             f"cannot load DataLoader state: expected a dict, got {type(sd).__name__}. Pass the "
             "object returned by loader.state_dict() (or resumable_loader.load_state(bytes))."
         )
-    if sd.get(K_FORMAT) != FORMAT:
+    if not _same(sd.get(K_FORMAT), FORMAT):
         raise _fail(
             K_FORMAT,
             f"expected {FORMAT!r}, got {sd.get(K_FORMAT)!r}",
             "this is not a resumable_loader DataLoader state (a model or optimizer state?)",
         )
     version = sd.get(K_VERSION)
-    if version != VERSION:
+    if not _same(version, VERSION):
         raise _fail(
             K_VERSION,
             f"this library reads version {VERSION}, the state is version {version!r}",
@@ -140,7 +157,7 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     if config["dataset_kind"] == "iterable":
         fields.append("num_workers")
     for name in fields:
-        if cfg.get(name) != config[name]:
+        if not _same(cfg.get(name), config[name]):
             raise _fail(
                 f"config.{name}",
                 f"the checkpoint has {cfg.get(name)!r}, this loader has {config[name]!r}",
@@ -148,6 +165,10 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
             )
     rp = ResumePoint(seed=_int(sd, K_SEED), epoch=_int(sd, K_EPOCH), source=sd)
     rp.consumed = _int(sd, K_CONSUMED)
+    required = (K_AHEAD, K_OUTSTANDING, K_SAMPLER_DONE) if stateful_sampler else (K_AHEAD,)
+    for key in required:
+        if key not in sd:
+            raise _fail(key, "missing", "the state is damaged (a loader state always has it)")
     ahead = sd.get(K_AHEAD, [])
     if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
         raise _fail(
@@ -165,7 +186,11 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
         rp.sampler_done = done
         out = sd.get(K_OUTSTANDING, [])
         if not isinstance(out, list) or not all(
-            isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] < rp.drawn
+            isinstance(x, list)
+            and len(x) == 2
+            and type(x[0]) is int
+            and 0 <= x[0] < rp.drawn
+            and _indices_ok(x[1])
             for x in out
         ):
             raise _fail(
@@ -211,9 +236,14 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
                 "the state is damaged",
             )
     skipped = sd.get(K_SKIPPED, [])
-    if not isinstance(skipped, list):
+    if not isinstance(skipped, list) or not all(
+        isinstance(x, list) and len(x) == 3 and type(x[0]) is int and type(x[1]) is int
+        for x in skipped
+    ):
         raise _fail(
-            K_SKIPPED, f"expected a list, got {type(skipped).__name__}", "the state is damaged"
+            K_SKIPPED,
+            f"expected [[epoch, task id, indices], ...], got {skipped!r:.200}",
+            "the state is damaged",
         )
     rp.skipped = list(skipped)
     return rp

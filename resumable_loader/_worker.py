@@ -469,12 +469,16 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
 
     run = make_retrier(spec.retry, reseed)
     if spec.iterable and not inspect.isgeneratorfunction(type(spec.dataset).__iter__):
-        run_stream = run
+        # A stream retry keeps the items already read, so it continues the RNG where the
+        # failed attempt left it instead of re-seeding: the remaining items then draw what
+        # they would have drawn (exact when the failing read consumed no draws).
+        run_stream = make_retrier(spec.retry, lambda: None)
     else:
         # A generator that raised is finished; retrying next() on it would silently end the
         # stream. Transient-error retries therefore apply to map-style fetches and to stream
         # iterators that are classes, not generators.
         run_stream = make_retrier(None, reseed)
+
     def run_stream_start(fn: Any, fetch_seed: int) -> Any:
         nonlocal seed
         seed = fetch_seed  # what reseed() restores before each retry
