@@ -179,21 +179,11 @@ def opts_strategy(draw: Any, num_workers: int | None = None, min_workers: int = 
         persistent=(draw(st.booleans()) or method != "fork") if nw else False,
         in_order=draw(st.booleans()),
         method=method,
-        # (With streams, in_order=False and the pin thread, the state can end a worker early:
-        # tests/test_fuzz_regressions.py::
-        # test_unordered_pinned_stream_state_does_not_end_a_worker_early -- see _build.)
         pin_thread=draw(st.integers(0, 4)) == 0,
         task_timeout=task_timeout,
         # None: adaptive; 2, 3: a resume or respawn replays the fetches since the last state.
         state_every=draw(st.sampled_from([None, None, 1, 2, 3])),
     )
-
-
-def _retry_breaks_draws(kind: str, batch_size: int | None) -> bool:
-    """A retried stream fetch of several items repeats random draws:
-    tests/test_fuzz_regressions.py::test_stream_retry_keeps_the_random_draws_of_an_uninterrupted_run
-    -- no transient errors there until it is fixed."""
-    return kind != "map" and batch_size not in (None, 1)
 
 
 @st.composite
@@ -208,7 +198,7 @@ def configs(draw: Any, min_workers: int = 0) -> Config:
     max_value = n - 1 if kind == "map" else n + 3 * max(0, opts.num_workers - 1)
     for _ in range(draw(st.integers(0, 2))):
         value = draw(st.integers(0, max(0, max_value)))
-        actions = [] if _retry_breaks_draws(kind, batch_size) else ["transient"]
+        actions = ["transient"]
         if opts.num_workers:
             actions += ["exit", "sigkill", "sigsegv"] if kind == "map" else ["exit"]
         if not actions:
@@ -344,7 +334,7 @@ class _LoaderModel(RuleBasedStateMachine):
                 task_timeout=opts.task_timeout,
             )
         loader = DataLoader(self._dataset(for_reference, opts), **kw)
-        if opts.pin_thread and not (c.stream and not opts.in_order):
+        if opts.pin_thread:
             loader._force_pin_fn = _identity_pin  # the pin-thread path, without an accelerator
         return loader
 
@@ -527,7 +517,7 @@ class _LoaderModel(RuleBasedStateMachine):
         top = c.n - 1 if not c.stream else c.n + 3 * max(0, self.opts.num_workers - 1)
         values = range(max(0, top) + 1)
         kinds = ["exit"] if self.opts.num_workers else []
-        if not exit_only and not _retry_breaks_draws(c.kind, c.batch_size):
+        if not exit_only:
             kinds.append("transient")
         if not kinds:
             return

@@ -110,10 +110,16 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _indices_ok(idx: Any) -> bool:
+def _indices_ok(idx: Any, n: Any) -> bool:
+    """Sample indices of one batch: an int (batch_size=None) or a non-empty list of ints, each in
+    [0, n) when the dataset length ``n`` is known."""
+
+    def ok(i: Any) -> bool:
+        return type(i) is int and i >= 0 and (type(n) is not int or i < n)
+
     if type(idx) is int:
-        return idx >= 0
-    return isinstance(idx, list) and bool(idx) and all(type(i) is int and i >= 0 for i in idx)
+        return ok(idx)
+    return isinstance(idx, list) and bool(idx) and all(ok(i) for i in idx)
 
 
 def _fail(field_name: str, problem: str, fix: str) -> CheckpointError:
@@ -190,7 +196,7 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
             and len(x) == 2
             and type(x[0]) is int
             and 0 <= x[0] < rp.drawn
-            and _indices_ok(x[1])
+            and _indices_ok(x[1], config["dataset_len"])
             for x in out
         ):
             raise _fail(

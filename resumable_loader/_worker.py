@@ -63,6 +63,9 @@ STATE_FREE_S = 50e-6
 # Shipping a snapshot costs too: the worker's write, and the copy into the main process, which
 # is the pipeline's serial stage. Charged at about 1 GB/s on top of the measured time.
 STATE_BYTE_COST_S = 1e-9
+# Judge the cost only after this many snapshots (their minimum): one preempted snapshot on a
+# busy machine must not make a cheap state sparse.
+STATE_WARMUP = 8
 
 # How often an idle worker checks that its parent is still alive. A worker whose parent died
 # must not linger; one second keeps the check cheap and the orphan's life short.
@@ -179,6 +182,7 @@ class StreamFetcher:
         self.count = 0  # fetches made this epoch
         self._fetch_s: float | None = None
         self._state_s: float | None = None
+        self._snapshots = 0
 
     @property
     def stateful(self) -> bool:
@@ -291,7 +295,8 @@ class StreamFetcher:
             # only ever adds time, and must not make a cheap state go sparse.
             c = self._state_s
             self._state_s = took if c is None else min(c, took)
-            if self._state_s <= STATE_FREE_S:
+            self._snapshots += 1
+            if self._snapshots < STATE_WARMUP or self._state_s <= STATE_FREE_S:
                 self.interval = 1
             else:
                 budget = STATE_BUDGET * max(self._fetch_s, 1e-9)
