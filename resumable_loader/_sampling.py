@@ -127,7 +127,9 @@ class IndexPlan:
             if sampler_state is not None:
                 self._stateful_obj.load_state_dict(sampler_state)
             if sampler_done:
-                return iter(())  # drawn to the end; touching it now would start the next epoch
+                # Drawn to the end; touching the sampler now would start its next epoch. The
+                # marker keeps saying "done", so a later checkpoint of this epoch says so too.
+                return _DrawnOut()
             if self._stateful_obj is self._index_sampler:
                 return _EagerEnd(self._index_sampler, None, False, start)
             bs, drop_last = self._batching()
@@ -211,6 +213,15 @@ class _BuiltinEpoch(Iterator[Any]):
         if order is None:
             return list(range(a, b))
         return order[a:b].tolist()
+
+
+class _DrawnOut(Iterator[Any]):
+    """A stateful sampler's epoch that was already drawn to the end before a checkpoint."""
+
+    done = True
+
+    def __next__(self) -> Any:
+        raise StopIteration
 
 
 class _EagerEnd(Iterator[Any]):

@@ -404,3 +404,57 @@ def test_state_missing_a_position_field_is_refused(key: str) -> None:
     del damaged[key]
     with pytest.raises(CheckpointError, match=key):
         loader.load_state_dict(damaged)
+
+
+class OneShotStateSampler(torch.utils.data.Sampler):
+    """Yields 0..n-1 once per epoch; its state is (epoch, position), rewinding at the end."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epoch, self.pos = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        while self.pos < self.n:
+            self.pos += 1
+            yield self.pos - 1
+        self.pos, self.epoch = 0, self.epoch + 1
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.pos = sd["epoch"], sd["pos"]
+
+
+def test_checkpoint_of_a_resumed_drawn_out_sampler_epoch_stays_drawn_out() -> None:
+    # Found by KillMachine: resume a state whose sampler epoch was already drawn to the end,
+    # checkpoint again before anything is drawn, resume that: the second state lost
+    # sampler_done and the rewound sampler's next epoch leaked into this one.
+    def make() -> DataLoader:
+        return DataLoader(
+            RangeData(),
+            batch_size=None,
+            sampler=OneShotStateSampler(1),
+            num_workers=1,
+            prefetch_factor=1,
+            multiprocessing_context="fork",
+        )
+
+    first = make()
+    with first:
+        it1 = iter(first)  # kept: an iterator dropped at once would abandon its epoch
+        sd = first.state_dict()
+    assert sd["sampler_done"] and sd["outstanding"] == [[0, 0]]
+    second = make()
+    with second:
+        second.load_state_dict(sd)
+        it2 = iter(second)
+        sd2 = second.state_dict()
+    assert sd2["sampler_done"], "a resumed drawn-out epoch must stay drawn out"
+    del it1, it2
+    third = make()
+    with third:
+        third.load_state_dict(sd2)
+        assert list(third) == [0]
