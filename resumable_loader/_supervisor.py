@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from ._errors import WorkerCrashError
-from ._transport import ChannelClosed, Receiver
+from ._transport import Receiver
 from ._worker import INIT_ERROR, READY, STOP, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
@@ -395,44 +395,21 @@ class Supervisor:
                 dead.setdefault(slot, ("", False))
             elif kind in self._extra_fds.values():
                 events.append(("extra", kind, None))
-        for fd, _ev in ready:
-            entry = self._fds.get(fd)
-            if entry is None or entry[0] != "conn":
-                continue
-            slot = entry[1]
-            assert slot is not None
-            if slot in dead or not slot.alive:
-                continue  # a dead worker's half-written message is never read: its tasks re-run
-            try:
-                msgs = slot.result_conn.feed()
-            except ChannelClosed:
-                # The writer is gone: a death, described by its exit status once reaped.
-                dead[slot] = ("", False)
-                continue
-            except Exception as exc:
-                # A message that cannot be unpickled: the result is lost, the worker replaced.
-                dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
-                continue
-            for msg in msgs:
-                tag = msg[0]
-                if tag == READY:
-                    slot.state = READY_STATE
-                    slot.start_failures = 0
-                    slot.init_error = None
-                    slot.busy_since = time.monotonic()
-                    events.append(("ready", slot, None))
-                elif tag == INIT_ERROR:
-                    slot.init_error = msg[2]
-                    dead[slot] = ("failed to start", False)
-                else:
-                    self.respawns_without_progress = 0
-                    events.append(("msg", slot, msg))
+        readable = {
+            entry[1] for fd, _ev in ready if (entry := self._fds.get(fd)) and entry[0] == "conn"
+        }
         now = time.monotonic()
         if now - self._last_poll >= POLL_INTERVAL_S:
             self._last_poll = now
             for slot in self.slots:
                 if slot.alive and slot not in dead and not slot.proc.is_alive():
                     dead[slot] = ("", False)
+        # A dead worker's socket is read too: everything it sent before it died is whole and
+        # in the socket buffer (its last words, such as a worker_init_fn error, arrive just
+        # before its exit). Only a message cut short by the death is discarded; its task re-runs.
+        for slot in self.slots:
+            if slot.alive and (slot in readable or slot in dead):
+                self._read(slot, dead, events)
         if self.task_timeout is not None:
             for slot in self.slots:
                 if (
@@ -459,6 +436,39 @@ class Supervisor:
                 cause, key = describe_exit(exitcode), exit_cause(exitcode)
             events.append(("dead", slot, (pid, exitcode, cause, key, was_ready)))
         return events
+
+    def _read(
+        self,
+        slot: WorkerSlot,
+        dead: dict[WorkerSlot, tuple[str, bool]],
+        events: list[tuple[str, Any, Any]],
+    ) -> None:
+        """Turn what a slot's socket holds into events; note in ``dead`` if it is gone."""
+        conn = slot.result_conn
+        assert conn is not None
+        try:
+            msgs = conn.feed()
+        except Exception as exc:
+            # A message that cannot be unpickled: the result is lost, the worker replaced.
+            dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
+            return
+        for msg in msgs:
+            tag = msg[0]
+            if tag == READY:
+                slot.state = READY_STATE
+                slot.start_failures = 0
+                slot.init_error = None
+                slot.busy_since = time.monotonic()
+                events.append(("ready", slot, None))
+            elif tag == INIT_ERROR:
+                slot.init_error = msg[2]
+                dead[slot] = ("failed to start", False)
+            else:
+                self.respawns_without_progress = 0
+                events.append(("msg", slot, msg))
+        if conn.eof:
+            # The writer is gone: a death, described by its exit status once reaped.
+            dead.setdefault(slot, ("", False))
 
     def next_deadline(self, now: float) -> float:
         """The latest time poll() should return by, for polling and task_timeout checks."""

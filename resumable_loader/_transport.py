@@ -127,6 +127,7 @@ class Receiver:
         self._need_fds = 0
         self._payload_len = -1
         self._fds: list[int] = []
+        self.eof = False  # the sender has closed its end (exited or was killed)
 
     def fileno(self) -> int:
         return self.fd
@@ -168,10 +169,11 @@ class Receiver:
     def feed(self) -> list[Any]:
         """Read everything available; return the messages completed (may be empty).
 
-        Raises:
-            ChannelClosed: the sender is gone (a partial message is discarded).
+        Once the sender is gone, ``eof`` is set: the messages it completed before going are
+        still returned (a worker's last words, such as its worker_init_fn error, arrive just
+        before its exit), and a partial message is discarded.
         """
-        out = []
+        out: list[Any] = []
         while True:
             if self._payload_len < 0 and len(self._buf) >= _HEADER.size:
                 self._payload_len, self._need_fds = _HEADER.unpack_from(self._buf)
@@ -197,7 +199,14 @@ class Receiver:
                 self._need_fds = 0
                 out.append(self._decode(payload, fds))
                 continue
-            if not self._recv():  # ChannelClosed propagates; the owner closes us
+            if self.eof:
+                return out
+            try:
+                more = self._recv()
+            except ChannelClosed:
+                self.eof = True
+                return out
+            if not more:
                 return out
 
     def _decode(self, payload: bytes | bytearray, fds: list[int]) -> Any:

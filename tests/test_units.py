@@ -96,3 +96,47 @@ def test_invariants_hold_after_every_batch_through_crashes(tmp_path) -> None:
         n += 1
     assert n == 20
     assert loader.statistics().respawns == 2
+
+
+def test_receiver_returns_messages_sent_just_before_the_sender_closed() -> None:
+    import socket
+
+    from resumable_loader._transport import Receiver, send
+
+    ours, theirs = socket.socketpair()
+    recv = Receiver(ours)
+    try:
+        send(theirs, ("last", "words"))
+        send(theirs, ("and", torch.arange(3)))
+        theirs.close()  # the worker exits right after sending
+        msgs = recv.feed()
+        assert recv.eof, "the closed end must be noticed"
+        assert [m[0] for m in msgs] == ["last", "and"], "whole messages before EOF are kept"
+        assert torch.equal(msgs[1][1], torch.arange(3))
+        assert recv.feed() == [] and recv.eof
+    finally:
+        recv.close()
+
+
+def _fail_init(worker_id: int) -> None:
+    raise ValueError(f"init of worker {worker_id} is broken")
+
+
+def test_worker_init_error_is_reported_even_when_the_exit_is_seen_first() -> None:
+    """A worker sends INIT_ERROR and exits; if the main side only looks after the exit, it must
+    still read the error (CI once saw "exited with code 0" and no cause here)."""
+    loader = DataLoader(RandomAugDataset(8), batch_size=4, num_workers=1, worker_init_fn=_fail_init)
+    sup = loader._make_supervisor(0)
+    try:
+        sup.start_all()
+        slot = sup.slots[0]
+        slot.proc.join(30)
+        assert slot.proc.exitcode is not None, "the worker should have exited"
+        events = sup.poll(0)
+        dead = [data for kind, s, data in events if kind == "dead" and s is slot]
+        assert len(dead) == 1
+        _pid, _code, cause, key, _was_ready = dead[0]
+        assert (cause, key) == ("failed in worker_init_fn", "init_error")
+        assert "init of worker 0 is broken" in str(slot.init_error.exception())
+    finally:
+        sup.shutdown()
