@@ -65,7 +65,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from torch.utils.data import RandomSampler
 
 from resumable_loader import DataLoader, LoaderClosedError, RetryPolicy
-from resumable_loader._supervisor import READY_STATE
 from resumable_loader.testing import (
     Fault,
     FaultyDataset,
@@ -170,8 +169,8 @@ def opts_strategy(draw: Any, num_workers: int | None = None, min_workers: int = 
     method = draw(start_methods()) if nw else "fork"
     if method != "fork" and num_workers is None:
         nw = min(nw, 2)
-    # SIGSTOP is only detected through task_timeout (which counts once a worker is ready, so a
-    # slow spawn start is no hang).
+    # SIGSTOP is only detected through task_timeout (which counts from a worker's BOOTED
+    # message, so a slow spawn start is no hang).
     task_timeout = TASK_TIMEOUT_S if nw and draw(st.integers(0, 3)) == 0 else None
     return Opts(
         num_workers=nw,
@@ -481,12 +480,12 @@ class _LoaderModel(RuleBasedStateMachine):
         for _ in range(k):
             self._next()
 
-    def _ready_worker_pids(self) -> set[int]:
-        """Workers the loader has seen ready (white-box: the supervisor's slots)."""
+    def _booted_worker_pids(self) -> set[int]:
+        """Workers the loader has heard from (white-box: the supervisor's slots)."""
         sup = self.loader._pool or getattr(self.loader._active(), "_sup", None)
         if sup is None:
             return set()
-        return {slot.pid for slot in sup.slots if slot.state == READY_STATE}
+        return {slot.pid for slot in sup.slots if slot.booted}
 
     def do_kill(self, which: int, sig: str, every: bool) -> None:
         if not self.opts.num_workers:
@@ -496,10 +495,10 @@ class _LoaderModel(RuleBasedStateMachine):
         ours = {c.pid for c in psutil.Process().children()}
         live = [pid for pid in worker_pids(self.loader) if pid > 0 and pid in ours]
         if sig == "SIGSTOP":
-            # A worker stopped before its READY is never found (task_timeout watches ready
-            # workers only): tests/test_fuzz_regressions.py::
-            # test_worker_hung_while_starting_is_replaced_after_task_timeout
-            live = [pid for pid in live if pid in self._ready_worker_pids()]
+            # A worker stopped before it booted is found only after BOOT_TIMEOUT_S (a minute);
+            # tests/test_fuzz_regressions.py::test_worker_hung_while_booting_is_replaced
+            # covers that with a shorter limit.
+            live = [pid for pid in live if pid in self._booted_worker_pids()]
         if not live:
             self.trace[-1] += " -> no live worker"
             return

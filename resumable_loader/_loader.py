@@ -618,26 +618,33 @@ class _MultiProcessIter(_BaseIter):
         sup = self._sup
         disp = self._disp
         blamed, tids = disp.on_death(slot)
-        what = f" while loading {self._describe(blamed)}" if blamed is not None else ""
+        if not was_ready:
+            # It never ran a task: its start failed, and no task is to blame.
+            slot.start_failures += 1
+            what = f" while starting (holding {self._describe(blamed)})" if blamed else ""
+            blamed = None
+        else:
+            what = f" while loading {self._describe(blamed)}" if blamed is not None else ""
         line = f"worker {slot.wid} (pid {pid}) {cause}{what}"
         log.warning("DataLoader %s", line)
-        if not was_ready:
-            slot.start_failures += 1
         if blamed is not None:
             blamed.failures.append(line)
             if len(blamed.failures) >= self._max_attempts:
                 self._poison(slot, blamed)
         if slot.start_failures >= self._max_attempts:
+            if key == "hang":
+                advice = "; if worker_init_fn is merely slow, raise task_timeout above its run time"
+            elif slot.init_error is None and self._sup.ctx.get_start_method() != "fork":
+                advice = (
+                    "; under spawn/forkserver a worker re-imports the main module, so guard the "
+                    "script's top level with `if __name__ == '__main__':`"
+                )
+            else:
+                advice = ""
             err = WorkerCrashError(
                 f"DataLoader worker {slot.wid} failed to start {slot.start_failures} times in a "
                 f"row (last: pid {pid} {cause}). Fix worker_init_fn or the worker environment"
-                + (
-                    "; under spawn/forkserver a worker re-imports the main module, so guard the "
-                    "script's top level with `if __name__ == '__main__':`"
-                    if slot.init_error is None and self._sup.ctx.get_start_method() != "fork"
-                    else ""
-                )
-                + ". The loader's state_dict() still describes what was consumed.",
+                f"{advice}. The loader's state_dict() still describes what was consumed.",
                 attempts=(line,),
             )
             cause_exc = slot.init_error.exception() if slot.init_error is not None else None

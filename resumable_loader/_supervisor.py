@@ -17,6 +17,9 @@ worker is killed first, so "dead" is always a fact.
 Slot states (one object per worker id, kept across respawns):
     STARTING ──READY msg──► READY ──death/hang──► DEAD ──respawn()──► STARTING
     any ──shutdown()──► STOPPED
+A STARTING worker sends BOOTED when it starts running our code; with task_timeout set, it is
+hung if worker_init_fn then runs longer than task_timeout, or if BOOTED has not come
+within max(task_timeout, BOOT_TIMEOUT_S) of the start.
 Invariants: a slot in STARTING/READY has a live process and registered fds; a DEAD or STOPPED
 slot has neither; ``outstanding`` lists the task ids sent to the slot and not yet received, in
 send order.
@@ -38,7 +41,7 @@ from typing import Any
 
 from ._errors import WorkerCrashError
 from ._transport import Receiver
-from ._worker import INIT_ERROR, READY, STOP, WorkerSpec, worker_main
+from ._worker import BOOTED, INIT_ERROR, READY, STOP, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
 
@@ -56,6 +59,11 @@ SHUTDOWN_GRACE_S = 1.0
 # A worker that does not exit within this after SIGKILL is stuck in the kernel (D state);
 # give up waiting rather than hang the caller.
 KILL_JOIN_S = 5.0
+# With task_timeout set, a starting worker is hung once worker_init_fn has run for
+# task_timeout, or once it has shown no sign of life (BOOTED) for max(task_timeout, this):
+# booting under spawn/forkserver imports torch and unpickles the dataset, seconds normally and
+# more on a loaded machine; a minute of silence is a stuck import or a stopped process.
+BOOT_TIMEOUT_S = 60.0
 # Respawn-storm guard: more respawns than max(this, 4 per worker) with not one result received
 # in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
 # raise instead of looping. Deaths between results are left to the per-task poison limit.
@@ -183,6 +191,8 @@ class WorkerSlot:
         self.busy_since = 0.0
         self.start_failures = 0
         self.init_error: Any = None
+        self.booted = False  # the current process has sent BOOTED
+        self.start_since = 0.0  # when it was started, then when it sent BOOTED
         self.generation = 0  # counts (re)spawns of this slot
         # Stream bookkeeping (iterable datasets), per epoch:
         self.exhausted = False  # an END was received from this slot
@@ -292,6 +302,8 @@ class Supervisor:
         slot.task_conn = task_w
         slot.result_conn = Receiver(result_r)
         slot.state = STARTING
+        slot.booted = False
+        slot.start_since = time.monotonic()
         slot.generation += 1
         slot.busy_since = time.monotonic()
         self._watch(result_r.fileno(), "conn", slot)
@@ -410,18 +422,10 @@ class Supervisor:
         for slot in self.slots:
             if slot.alive and (slot in readable or slot in dead):
                 self._read(slot, dead, events)
-        if self.task_timeout is not None:
-            for slot in self.slots:
-                if (
-                    slot.state == READY_STATE
-                    and slot not in dead
-                    and slot.outstanding
-                    and now - slot.busy_since > self.task_timeout
-                ):
-                    dead[slot] = (
-                        f"hung (no result for {self.task_timeout:g} s: task_timeout)",
-                        True,
-                    )
+        for slot in self.slots:
+            hang = self._hang_clock(slot)
+            if hang is not None and slot not in dead and now > hang[0]:
+                dead[slot] = (hang[1], True)
         for slot, (why, kill) in dead.items():
             pid = slot.pid
             was_ready = slot.state == READY_STATE
@@ -454,7 +458,10 @@ class Supervisor:
             return
         for msg in msgs:
             tag = msg[0]
-            if tag == READY:
+            if tag == BOOTED:
+                slot.booted = True
+                slot.start_since = time.monotonic()  # worker_init_fn's time starts now
+            elif tag == READY:
                 slot.state = READY_STATE
                 slot.start_failures = 0
                 slot.init_error = None
@@ -470,13 +477,30 @@ class Supervisor:
             # The writer is gone: a death, described by its exit status once reaped.
             dead.setdefault(slot, ("", False))
 
+    def _hang_clock(self, slot: WorkerSlot) -> tuple[float, str] | None:
+        """When a slot counts as hung (monotonic time) and how to say so; None if never."""
+        timeout = self.task_timeout
+        if timeout is None:
+            return None
+        if slot.state == READY_STATE:
+            if not slot.outstanding:
+                return None
+            return slot.busy_since + timeout, f"hung (no result for {timeout:g} s: task_timeout)"
+        if slot.state != STARTING:
+            return None
+        if slot.booted:
+            why = f"hung in worker_init_fn (not ready after {timeout:g} s: task_timeout)"
+            return slot.start_since + timeout, why
+        limit = max(timeout, BOOT_TIMEOUT_S)
+        return slot.start_since + limit, f"hung while starting (no sign of life for {limit:g} s)"
+
     def next_deadline(self, now: float) -> float:
         """The latest time poll() should return by, for polling and task_timeout checks."""
         deadline = self._last_poll + POLL_INTERVAL_S
-        if self.task_timeout is not None:
-            for slot in self.slots:
-                if slot.state == READY_STATE and slot.outstanding:
-                    deadline = min(deadline, slot.busy_since + self.task_timeout + 0.001)
+        for slot in self.slots:
+            hang = self._hang_clock(slot)
+            if hang is not None:
+                deadline = min(deadline, hang[0] + 0.001)
         return max(deadline, now)
 
     def shutdown(self) -> None:

@@ -41,6 +41,7 @@ STOP = 2  # (STOP,)
 # Worker -> main message tags.
 READY = 10  # (READY, worker_id, pid)
 INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
+BOOTED = 13  # (BOOTED, worker_id): the process runs our code; worker_init_fn comes next
 RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries, drained)
 #   state_delta: None, or the stream state after this fetch (changed keys only, pickled)
 #   drained: the stream ran dry while this batch was filled (its state may already be rewound)
@@ -425,6 +426,9 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     parent = os.getppid()
     wid = spec.worker_id
     where = f"in DataLoader worker {wid} (pid {os.getpid()})"
+    # From here on, a start that takes too long is worker_init_fn's doing (task_timeout).
+    if not _send(result_conn, (BOOTED, wid)):
+        return
     try:
         seed_global_rngs(spec.worker_seed)
         _set_worker_info(spec)

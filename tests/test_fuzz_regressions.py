@@ -4,7 +4,7 @@ A test marked ``xfail(strict=True)`` is a bug not fixed yet: when the fix lands 
 passes, strict xfail turns that into a failure, and the marker must go (keep the test). The
 fuzzers steer around these areas until then; each place that does so names the test here.
 
-Everything is module-level (picklable) and uses the fork start method.
+Everything is module-level (picklable) and uses the fork start method unless a test says.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from resumable_loader import CheckpointError, DataLoader, RetryPolicy
+from resumable_loader import CheckpointError, DataLoader, RetryPolicy, WorkerCrashError
 from resumable_loader.testing import worker_pids
 
 
@@ -278,26 +278,80 @@ class HangOnFirstStart:
             time.sleep(3600)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="task_timeout only watches READY workers: a worker that hangs while starting (in "
-    "worker_init_fn, in imports under spawn, or SIGSTOPped before its READY) holds its tasks "
-    "forever and the loader never replaces it (torch's timeout is the only way out)",
-)
-def test_worker_hung_while_starting_is_replaced_after_task_timeout() -> None:
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_hung_in_worker_init_fn_is_replaced_after_task_timeout(method: str) -> None:
     with tempfile.TemporaryDirectory() as d:
         loader = DataLoader(
             RangeData(),
             batch_size=2,
             num_workers=1,
-            multiprocessing_context="fork",
+            multiprocessing_context=method,
             worker_init_fn=HangOnFirstStart(d),
             task_timeout=0.5,
-            timeout=5,  # a watchdog for this test: raises instead of hanging
+            timeout=60,  # a watchdog for this test: raises instead of hanging
         )
         with loader:
-            got = [b.tolist() for b in loader]  # RuntimeError: timed out after 5 seconds
+            got = [b.tolist() for b in loader]
+            stats = loader.statistics()
     assert got == [[0, 1], [2, 3]]
+    assert stats.respawns_by_cause == {"hang": 1}
+
+
+def _hang(worker_id: int) -> None:
+    time.sleep(3600)
+
+
+def test_worker_init_fn_hanging_every_time_is_a_start_failure_not_a_poison_sample() -> None:
+    loader = DataLoader(
+        RangeData(),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=_hang,
+        task_timeout=0.3,
+        timeout=60,
+    )
+    with pytest.raises(WorkerCrashError, match="failed to start 3 times") as info:
+        list(loader)
+    text = str(info.value)
+    assert "hung in worker_init_fn (not ready after 0.3 s: task_timeout)" in text
+    assert "raise task_timeout" in text
+    assert "gave up on" not in text and "__main__" not in text
+
+
+class HangWhileUnpickledFirst(RangeData):
+    """Unpickling it hangs the first time: a worker stuck before it runs any of our code (an
+    import from a stalled network filesystem, say)."""
+
+    def __init__(self, flag_dir: str) -> None:
+        self.flag = os.path.join(flag_dir, "unpickled")
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            time.sleep(3600)
+
+
+def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resumable_loader._supervisor as sup
+
+    # A spawn boot takes one to two seconds here; six leaves room on a loaded machine.
+    monkeypatch.setattr(sup, "BOOT_TIMEOUT_S", 6.0)
+    with tempfile.TemporaryDirectory() as d:
+        loader = DataLoader(
+            HangWhileUnpickledFirst(d),
+            batch_size=2,
+            num_workers=1,
+            multiprocessing_context="spawn",
+            task_timeout=0.5,
+            timeout=60,
+        )
+        with loader:
+            got = [b.tolist() for b in loader]
+            stats = loader.statistics()
+    assert got == [[0, 1], [2, 3]]
+    assert stats.respawns_by_cause == {"hang": 1}
 
 
 @pytest.mark.parametrize("entry", [None, 5, "ab"])
