@@ -10,6 +10,7 @@ What lives here:
   ``state_dict`` only counts delivered batches and whose ``load_state_dict`` re-reads and drops
   them; it exists so that every code path of the scripts can be run before the real loader
   exists. Figures taken in self-test mode say nothing about ``resumable_loader``.
+- ``IndexDataset(n)``: item i is the int i (the benchmarks' zero-cost dataset).
 - ``spin(seconds)``: CPU busy work on ``time.perf_counter`` (``time.sleep`` would let the other
   processes use the core and hide the loader's own CPU cost).
 - ``alternate(...)``: A/B measurement in one process, the order swapped every round so neither
@@ -191,6 +192,20 @@ def _plain(v: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 # Work and timing
 # ----------------------------------------------------------------------------------------------
+
+
+class IndexDataset:
+    """Map-style dataset whose item i is the int i: no per-item storage or work, so 10^7 items
+    cost nothing and a run measures the loader's own bookkeeping."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx: int) -> int:
+        return idx
 
 
 def spin(seconds: float) -> None:

@@ -32,19 +32,6 @@ import torch
 from torch.utils.data import Dataset
 
 
-class IndexDataset(Dataset):
-    """Item i is i; nothing is stored per item, so 10^7 items cost nothing."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, idx: int) -> int:
-        return idx
-
-
 class RecordingDataset(Dataset):
     """Item i is i after ``work_s`` of CPU work; every fetch appends "i\\n" to a log file.
 
@@ -125,7 +112,7 @@ def part_a(api: C.LoaderAPI, start_method: str, calls: int) -> tuple[list[list[A
     summary: dict[str, Any] = {}
     for n in (10**4, 10**7):
         loader = api.DataLoader(
-            IndexDataset(n),
+            C.IndexDataset(n),
             batch_size=64,
             shuffle=True,
             num_workers=8,

@@ -59,19 +59,6 @@ class LightDataset(Dataset):
         return torch.tensor([idx])
 
 
-class LightIntDataset(Dataset):
-    """Item i is the int i; with ``collate_int`` no tensor is made: pure loader bookkeeping."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, idx: int) -> int:
-        return idx
-
-
 def collate_int(samples: list[int]) -> torch.Tensor | int:
     """batch_size 1 only: the batch is the bare int (module level so spawn can pickle it)."""
     return samples[0]
@@ -186,7 +173,7 @@ def main() -> int:
     for name in args.workloads.split(","):
         cfg = WORKLOADS[name]
         n = cfg["quick_n"] if args.quick else cfg["n"]
-        ds: Dataset = {"heavy": HeavyDataset, "light": LightDataset, "int": LightIntDataset}[
+        ds: Dataset = {"heavy": HeavyDataset, "light": LightDataset, "int": C.IndexDataset}[
             cfg["kind"]
         ](n)
         fns = {

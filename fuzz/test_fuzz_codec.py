@@ -17,7 +17,6 @@ Example counts come from the profile in fuzz/conftest.py (HYPOTHESIS_PROFILE=ci|
 from __future__ import annotations
 
 import json
-import struct
 from typing import Any
 
 import msgpack
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 from resumable_loader.__main__ import KNOWN_KEYS, _jsonable, format_summary
 from resumable_loader._checkpoint import INT_MAX, INT_MIN, MAGIC, _frame, dump_state, load_state
 from resumable_loader._errors import CheckpointError
+from resumable_loader.testing import same_state
 
 # --- plain data ---------------------------------------------------------------------------------
 
@@ -59,19 +59,6 @@ STATES = st.dictionaries(KEYS, PLAIN, max_size=5)
 SMALL_STATES = st.dictionaries(KEYS, SMALL, max_size=4)
 
 
-def same(a: Any, b: Any) -> bool:
-    """Exact equality: same types all the way down, floats bit for bit (nan == nan)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
 def without_tuples(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [without_tuples(v) for v in value]
@@ -93,7 +80,7 @@ def load_or_refuse(data: bytes) -> dict[Any, Any] | None:
 
 def assert_plain_and_stable(state: dict[Any, Any]) -> None:
     """What load_state returns, dump_state accepts and round-trips."""
-    assert same(load_state(dump_state(state)), state)
+    assert same_state(load_state(dump_state(state)), state)
 
 
 # --- arbitrary input ----------------------------------------------------------------------------
@@ -188,7 +175,7 @@ def test_mutated_encodings_are_refused(state: dict[Any, Any], mutations: list[An
     corrupt = mutate(encoded, mutations)
     loaded = load_or_refuse(corrupt)
     if corrupt == encoded:  # e.g. a flip undone by a second flip
-        assert loaded is not None and same(loaded, state)
+        assert loaded is not None and same_state(loaded, state)
     else:
         assert loaded is None
 
@@ -211,7 +198,7 @@ def test_spliced_encodings_are_refused(
 
 @given(STATES)
 def test_plain_dicts_round_trip_exactly(state: dict[Any, Any]) -> None:
-    assert same(load_state(dump_state(state)), state)
+    assert same_state(load_state(dump_state(state)), state)
 
 
 TUPLED = st.recursive(
@@ -223,7 +210,7 @@ TUPLED = st.recursive(
 
 @given(st.dictionaries(KEYS, TUPLED, max_size=4))
 def test_tuples_round_trip_as_lists(state: dict[Any, Any]) -> None:
-    assert same(load_state(dump_state(state)), without_tuples(state))
+    assert same_state(load_state(dump_state(state)), without_tuples(state))
 
 
 # --- the inspect summary ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ Reference streams and resume checks:
     ``reference_stream(make_loader, epochs)``   the batches of an uninterrupted run
     ``check_resume(make_loader, ...)``           save at every step k, rebuild, resume, compare
     ``canonical(batch)``                         a hashable, exactly comparable form of a batch
+    ``same_state(a, b)``                         exact equality of two plain-data states
 
 Leak checks (what the test suite asserts after every test):
     ``Resources.now()``, ``leaks_since(before)``   child processes, threads, fds, /dev/shm
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +42,7 @@ __all__ = [
     "leaks_since",
     "reference_stream",
     "roundtrip_state",
+    "same_state",
     "worker_pids",
 ]
 
@@ -58,6 +61,21 @@ def canonical(obj: Any) -> Any:
     if isinstance(obj, float) and obj != obj:
         return ("nan",)
     return obj
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Exact equality of plain data: the same types all the way down (a tuple is not a list),
+    dict keys in the same order, floats bit for bit (nan equals nan, -0.0 does not equal 0.0).
+    ``==`` is too lenient to check that a saved state came back unchanged."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_state(a[k], b[k]) for k in a)
+    return bool(a == b)
 
 
 def reference_stream(make_loader: Callable[[], Any], epochs: int = 1) -> list[list[Any]]:

@@ -35,6 +35,7 @@ from resumable_loader._checkpoint import (
     load_state,
 )
 from resumable_loader._errors import CheckpointError
+from resumable_loader.testing import same_state
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,19 +78,6 @@ def loader_state(**overrides: Any) -> dict[str, Any]:
     return state
 
 
-def same(a: Any, b: Any) -> bool:
-    """Exact equality: same types all the way down, floats bit for bit (nan == nan, -0.0 != 0.0)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
 EDGE_STATE = {
     "ints": [0, 1, -1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)],
     "floats": [0.0, -0.0, 1.5, 1e308, 5e-324, math.inf, -math.inf, math.nan],
@@ -114,12 +102,12 @@ EDGE_STATE = {
     ],
 )
 def test_round_trip_is_exact(state: dict[str, Any]) -> None:
-    assert same(load_state(dump_state(state)), state)
+    assert same_state(load_state(dump_state(state)), state)
 
 
 def test_nesting_is_limited_to_max_depth_containers_counting_the_state() -> None:
     deepest = {"deep": _nested_lists(MAX_DEPTH - 1)}
-    assert same(load_state(dump_state(deepest)), deepest)
+    assert same_state(load_state(dump_state(deepest)), deepest)
     with pytest.raises(CheckpointError, match=f"nested deeper than {MAX_DEPTH} levels"):
         dump_state({"deep": _nested_lists(MAX_DEPTH)})
     # The same limit holds when decoding, so whatever load_state returns, dump_state accepts.
@@ -134,16 +122,16 @@ def test_encoding_is_deterministic() -> None:
 
 def test_tuples_and_dict_subclasses_come_back_as_lists_and_dicts() -> None:
     state = {"t": (1, (2, 3), ()), "od": collections.OrderedDict(b=1, a=2)}
-    assert same(load_state(dump_state(state)), {"t": [1, [2, 3], []], "od": {"b": 1, "a": 2}})
+    assert same_state(load_state(dump_state(state)), {"t": [1, [2, 3], []], "od": {"b": 1, "a": 2}})
 
 
 def test_accepts_bytearray_and_any_memoryview() -> None:
     encoded = dump_state(loader_state())
-    assert same(load_state(bytearray(encoded)), loader_state())
-    assert same(load_state(memoryview(encoded)), loader_state())
+    assert same_state(load_state(bytearray(encoded)), loader_state())
+    assert same_state(load_state(memoryview(encoded)), loader_state())
     # A non-contiguous view: every other byte of an interleaved buffer.
     interleaved = bytes(b for pair in zip(encoded, b"\xee" * len(encoded)) for b in pair)
-    assert same(load_state(memoryview(interleaved)[::2]), loader_state())
+    assert same_state(load_state(memoryview(interleaved)[::2]), loader_state())
 
 
 def test_byte_layout_is_pinned() -> None:
@@ -424,9 +412,9 @@ def test_state_survives_torch_save_with_weights_only_load() -> None:
     # EDGE_STATE without its empty bytes values: see the next test.
     edges = dict(EDGE_STATE, bytes=[b"\x00", bytes(range(256))], empty={"list": [], "dict": {}})
     loaded = _through_torch({"loader": loader_state(), "edges": edges})
-    assert same(loaded["loader"], loader_state())
-    assert same(loaded["edges"], edges)
-    assert same(load_state(dump_state(loaded["loader"])), loader_state())
+    assert same_state(loaded["loader"], loader_state())
+    assert same_state(loaded["edges"], edges)
+    assert same_state(load_state(dump_state(loaded["loader"])), loader_state())
 
 
 @pytest.mark.xfail(
@@ -445,8 +433,8 @@ def test_a_json_able_state_survives_json() -> None:
     state = loader_state(sampler_state={"offset": 68})
     state["workers"][0]["dataset_state"] = {"pos": 36, "name": "shard-0 ✓"}
     through_json = json.loads(json.dumps(state))
-    assert same(through_json, state)
-    assert same(load_state(dump_state(through_json)), state)
+    assert same_state(through_json, state)
+    assert same_state(load_state(dump_state(through_json)), state)
 
 
 # --- python -m resumable_loader inspect --------------------------------------------------------
