@@ -450,12 +450,17 @@ class Supervisor:
         """Turn what a slot's socket holds into events; note in ``dead`` if it is gone."""
         conn = slot.result_conn
         assert conn is not None
+        before = conn.received
         try:
             msgs = conn.feed()
         except Exception as exc:
             # A message that cannot be unpickled: the result is lost, the worker replaced.
             dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
             return
+        if conn.received != before:
+            # Progress. While the user was busy between batches the worker's results waited
+            # in the socket (or it waited to write them): that time is not a hang.
+            slot.busy_since = time.monotonic()
         for msg in msgs:
             tag = msg[0]
             if tag == BOOTED:

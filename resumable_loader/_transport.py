@@ -128,6 +128,7 @@ class Receiver:
         self._payload_len = -1
         self._fds: list[int] = []
         self.eof = False  # the sender has closed its end (exited or was killed)
+        self.received = 0  # bytes read so far: progress, even before a message is whole
 
     def fileno(self) -> int:
         return self.fd
@@ -160,6 +161,7 @@ class Receiver:
         self._take_fds(anc)
         if n == 0:
             raise ChannelClosed("end of stream")
+        self.received += n
         if data is None:
             self._got += n
         else:

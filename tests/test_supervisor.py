@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import warnings
 
 import pytest
@@ -98,6 +99,21 @@ def test_worker_hung_in_user_code_is_replaced(tmp_path) -> None:
     loader = faulty_loader(tmp_path, {23: Fault("hang")}, task_timeout=1.0)
     assert [canonical(b) for b in loader] == reference()
     assert loader.statistics().respawns_by_cause["hang"] == 1
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_a_slow_training_step_is_not_a_hung_worker(tmp_path, pin_memory: bool) -> None:
+    # While the user spends longer than task_timeout between batches, finished results wait
+    # in the workers' sockets; the supervisor must not read that wait as a hang.
+    loader = faulty_loader(tmp_path, {}, task_timeout=0.2, pin_memory=pin_memory)
+    if pin_memory:
+        loader._force_pin_fn = lambda batch: batch
+    got = []
+    for batch in loader:
+        got.append(canonical(batch))
+        time.sleep(0.4)  # the training step: longer than task_timeout (not a synchronisation)
+    assert got == reference()
+    assert loader.statistics().respawns == 0
 
 
 def test_timeout_alone_never_declares_a_worker_dead(tmp_path) -> None:
