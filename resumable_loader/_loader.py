@@ -89,12 +89,14 @@ _SKIP = object()
 class RetryPolicy:
     """Retry transient errors inside the worker, with exponential backoff (via tenacity).
 
-    A fetch (``__getitem__``/``__getitems__`` + collate for map-style datasets; ``next()`` on a
-    stream iterator that is a class, not a generator) raising one of ``exceptions`` is tried
-    again, up to ``attempts`` times in all, waiting ``backoff_s * 2**n`` (at most
-    ``max_backoff_s``) between tries. The task's RNGs are re-seeded before each try, so a
-    retried batch has the same values as one that succeeded first time. Other exceptions are
-    re-raised in the main process at once, as torch does.
+    A fetch (``__getitem__``/``__getitems__`` + collate for map-style datasets; ``next()`` and
+    collate for a stream) raising one of ``exceptions`` is tried again, up to ``attempts``
+    times in all, waiting ``backoff_s * 2**n`` (at most ``max_backoff_s``) between tries, so
+    that a retried batch has the same values as one that succeeded first time: a map-style
+    task's RNGs are re-seeded before each try; a stream keeps the items already read and puts
+    the RNGs back as they were before the step that raised. A generator that raised is
+    finished and is not retried. Other exceptions are re-raised in the main process at once,
+    as torch does.
     """
 
     exceptions: tuple[type[BaseException], ...] = (OSError, TimeoutError)
@@ -209,11 +211,6 @@ class _SingleProcessIter(_BaseIter):
         plan = self._plan
         self._pin = loader._pin_fn()
         self._seed: int = 0
-        if self._iterable:
-            # As in workers: a stream retry keeps what was read and continues the RNG.
-            self._run = make_retrier(loader.retry, lambda: None)
-        else:
-            self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
         # Ids > consumed already delivered (for the state), and the ids to skip when drawn:
         # two sets, because advancing ``consumed`` must not forget what is still to skip.
         self._ahead = set(rp.ahead) if rp else set()
@@ -227,6 +224,11 @@ class _SingleProcessIter(_BaseIter):
                 loader.collate_fn,
                 loader.batch_size,
                 loader.drop_last,
+                exact_retry=loader.retry is not None,
+            )
+            # As in workers: a retry resumes the step that raised, with the RNGs of then.
+            self._run = make_retrier(
+                loader.retry, self._fetcher.before_retry, self._fetcher.can_retry
             )
             wp = rp.workers[0] if rp else S.WorkerPosition()
             resume: Any = None
@@ -252,6 +254,7 @@ class _SingleProcessIter(_BaseIter):
             self._exhausted = wp.exhausted
             self._tid = self._consumed
         else:
+            self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
             self._fetcher = MapFetcher(loader.dataset, loader._auto_collation, loader.collate_fn)
             if self._stateful_sampler and rp is not None:
                 self._source = plan.epoch(

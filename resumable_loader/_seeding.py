@@ -48,6 +48,19 @@ def seed_global_rngs(seed: int) -> None:
     torch.random.default_generator.manual_seed(seed)
 
 
+def capture_rngs() -> tuple[object, object, torch.Tensor]:
+    """The states of python ``random``, numpy's global RNG and torch's CPU generator."""
+    return random.getstate(), np.random.get_state(), torch.random.default_generator.get_state()
+
+
+def restore_rngs(states: tuple[object, object, torch.Tensor]) -> None:
+    """Put back what ``capture_rngs()`` returned."""
+    py, np_state, torch_state = states
+    random.setstate(py)  # type: ignore[arg-type]
+    np.random.set_state(np_state)  # type: ignore[arg-type]
+    torch.random.default_generator.set_state(torch_state)
+
+
 class GlobalRngGuard:
     """Saves and restores the three global RNGs around in-process (num_workers=0) fetches.
 
@@ -56,18 +69,14 @@ class GlobalRngGuard:
     batch (numpy's state copy dominates).
     """
 
-    __slots__ = ("_np", "_py", "_torch")
+    __slots__ = ("_saved",)
 
     def __enter__(self) -> GlobalRngGuard:
-        self._py = random.getstate()
-        self._np = np.random.get_state()
-        self._torch = torch.random.default_generator.get_state()
+        self._saved = capture_rngs()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        random.setstate(self._py)
-        np.random.set_state(self._np)
-        torch.random.default_generator.set_state(self._torch)
+        restore_rngs(self._saved)
 
 
 def draw_base_seed(generator: torch.Generator | None) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from . import _transport
 from ._errors import RemoteTraceback
-from ._seeding import STREAM, TASK, derive_seed, seed_global_rngs
+from ._seeding import STREAM, TASK, capture_rngs, derive_seed, restore_rngs, seed_global_rngs
 
 # Main -> worker message tags.
 EPOCH = 0  # (EPOCH, gen, epoch, base_seed, resume)
@@ -156,6 +156,14 @@ class StreamFetcher:
     Args:
         state_every: take the state after every n-th fetch; None: adaptively, so that taking
             it costs at most STATE_BUDGET of the fetch time (every fetch when it is cheap).
+        exact_retry: a RetryPolicy is in force: snapshot the global RNGs before each step
+            (each ``next()`` and the collate), so that a retry resumes from the step that
+            raised with the RNGs as they were then (a few microseconds per item).
+
+    A fetch that raises keeps what it already read in ``partial`` (the items pulled, or the
+    whole batch if the collate raised): a retry continues from there, so nothing read from
+    the stream is lost. A generator that raised is finished, so it is never retried
+    (``can_retry``): its error goes to the caller and its stream ends, as in torch.
     """
 
     def __init__(
@@ -166,6 +174,7 @@ class StreamFetcher:
         batch_size: int | None,
         drop_last: bool,
         state_every: int | None = None,
+        exact_retry: bool = False,
     ) -> None:
         self.dataset = dataset
         self.auto = auto_collation
@@ -175,6 +184,9 @@ class StreamFetcher:
         self.it: Any = None
         self.ended = False
         self.partial: list[Any] = []  # items a failed attempt pulled; a retry starts with them
+        self.track_rngs = exact_retry
+        self.rngs_before: Any = None  # the global RNGs just before the step that raised last
+        self.broken = False  # a generator raised: it is finished, a retry would end the stream
         self.holder: Any = None
         self.prev_state: dict[Any, bytes] = {}
         self.state_every = state_every
@@ -198,6 +210,8 @@ class StreamFetcher:
         """
         self.ended = False
         self.partial = []
+        self.broken = False
+        self.rngs_before = None
         self.prev_state = {}
         self.count = 0
         self.since_state = 0
@@ -240,24 +254,33 @@ class StreamFetcher:
                 self.fetch_failed()
         self.count = count
 
+    def _next_item(self, it: Any) -> Any:
+        if self.track_rngs:
+            self.rngs_before = capture_rngs()
+        try:
+            return next(it)
+        except StopIteration:
+            self.ended = True
+            raise StreamEnd from None
+        except BaseException:
+            if inspect.isgenerator(it):
+                self.broken = True
+            raise
+
     def _pull(self) -> list[Any] | Any:
-        if self.ended:
-            raise StreamEnd
-        it = self.it
-        if not self.auto:
-            try:
-                return next(it)
-            except StopIteration:
-                self.ended = True
-                raise StreamEnd from None
         items, self.partial = self.partial, []
+        if not self.auto:
+            if items:
+                return items[0]  # read before a failed collate
+            if self.ended:
+                raise StreamEnd
+            return self._next_item(self.it)
         bs = self.batch_size
         assert bs is not None
-        while len(items) < bs:
+        while len(items) < bs and not self.ended:
             try:
-                items.append(next(it))
-            except StopIteration:
-                self.ended = True
+                items.append(self._next_item(self.it))
+            except StreamEnd:
                 break
             except BaseException:
                 self.partial = items  # a retry must not lose what this attempt already read
@@ -268,7 +291,22 @@ class StreamFetcher:
         return items
 
     def fetch(self, _k: Any = None) -> Any:
-        return self.collate(self._pull())
+        items = self._pull()
+        if self.track_rngs:
+            self.rngs_before = capture_rngs()
+        try:
+            return self.collate(items)
+        except BaseException:
+            self.partial = items if self.auto else [items]
+            raise
+
+    def can_retry(self) -> bool:
+        return not self.broken
+
+    def before_retry(self) -> None:
+        """Put the RNGs back as they were before the step that raised."""
+        if self.rngs_before is not None:
+            restore_rngs(self.rngs_before)
 
     def fetch_failed(self) -> None:
         """The fetch failed for good (its error goes to the caller): drop its partial batch,
@@ -346,8 +384,10 @@ def decode_state(encoded: dict[Any, bytes]) -> Any:
     return {k: pickle.loads(v) for k, v in encoded.items()}
 
 
-def make_retrier(retry: Any, reseed: Any) -> Any:
-    """A callable ``run(fn, *args) -> (result, retries)`` honouring a RetryPolicy (or None)."""
+def make_retrier(retry: Any, reseed: Any, can_retry: Any = None) -> Any:
+    """A callable ``run(fn, *args) -> (result, retries)`` honouring a RetryPolicy (or None).
+
+    ``reseed()`` runs before each attempt; ``can_retry()``, if given, may veto a retry."""
     if retry is None:
 
         def run_once(fn: Any, *args: Any) -> tuple[Any, int]:
@@ -357,11 +397,15 @@ def make_retrier(retry: Any, reseed: Any) -> Any:
 
     import tenacity
 
+    types = tuple(retry.exceptions)
+
     def run(fn: Any, *args: Any) -> tuple[Any, int]:
         retrier = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(retry.attempts),
             wait=tenacity.wait_exponential(multiplier=retry.backoff_s, max=retry.max_backoff_s),
-            retry=tenacity.retry_if_exception_type(tuple(retry.exceptions)),
+            retry=tenacity.retry_if_exception(
+                lambda exc: isinstance(exc, types) and (can_retry is None or can_retry())
+            ),
             reraise=True,
             before=lambda _state: reseed(),
         )
@@ -465,6 +509,7 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
             spec.batch_size,
             spec.drop_last,
             spec.state_every,
+            exact_retry=spec.retry is not None,
         )
     else:
         fetcher = MapFetcher(spec.dataset, spec.auto_collation, spec.collate_fn)
@@ -477,21 +522,11 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         seed_global_rngs(seed)
 
     run = make_retrier(spec.retry, reseed)
-    if spec.iterable and not inspect.isgeneratorfunction(type(spec.dataset).__iter__):
-        # A stream retry keeps the items already read, so it continues the RNG where the
-        # failed attempt left it instead of re-seeding: the remaining items then draw what
-        # they would have drawn (exact when the failing read consumed no draws).
-        run_stream = make_retrier(spec.retry, lambda: None)
-    else:
-        # A generator that raised is finished; retrying next() on it would silently end the
-        # stream. Transient-error retries therefore apply to map-style fetches and to stream
-        # iterators that are classes, not generators.
-        run_stream = make_retrier(None, reseed)
+    if spec.iterable:
+        run_stream = make_retrier(spec.retry, fetcher.before_retry, fetcher.can_retry)
 
     def run_stream_start(fn: Any, fetch_seed: int) -> Any:
-        nonlocal seed
-        seed = fetch_seed  # what reseed() restores before each retry
-        seed_global_rngs(seed)
+        seed_global_rngs(fetch_seed)
         return run_stream(fn)[0]
 
     pending: list[tuple[int, Any]] = []  # heap of (tid, payload)

@@ -512,3 +512,101 @@ def test_checkpoint_of_a_resumed_drawn_out_sampler_epoch_stays_drawn_out() -> No
     with third:
         third.load_state_dict(sd2)
         assert list(third) == [0]
+
+
+class _DrawThenFailCursor(_Cursor):
+    """Draws from the global RNGs *before* it may raise: a retry sees the RNGs moved on."""
+
+    def __next__(self) -> tuple[int, int, float]:
+        a = random.randint(0, 10**9)
+        b = float(torch.rand(()))
+        v = super().__next__()
+        return v, a, b
+
+
+class DrawThenFailStream(CursorStream):
+    def __iter__(self) -> _DrawThenFailCursor:
+        return _DrawThenFailCursor(self)
+
+
+class DrawThenFailCollate:
+    """A collate that draws, then raises OSError once on the batch holding ``flaky``."""
+
+    def __init__(self, flaky: int, flag_dir: str) -> None:
+        self.flaky = flaky
+        self.flag = os.path.join(flag_dir, "collate-fired")
+
+    def __call__(self, items: list) -> list:
+        noise = int(np.random.randint(0, 10**6))
+        if any(item[0] == self.flaky for item in items) and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            raise OSError("transient, in collate")
+        return [noise, *items]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("where", ["next", "collate"])
+def test_stream_retry_is_exact_even_when_the_failing_step_drew_random_numbers(
+    num_workers: int, where: str
+) -> None:
+    # A retry restores the RNGs as they were before the step that raised, and keeps the items
+    # already read (also when the collate raised): the stream equals an uninterrupted run.
+    def run(flaky: int, flag_dir: str) -> list:
+        next_flaky = flaky if where == "next" else -1
+        collate_flaky = flaky if where == "collate" else -1
+        loader = DataLoader(
+            DrawThenFailStream(12, flaky=next_flaky, flag_dir=flag_dir),
+            batch_size=3,
+            collate_fn=DrawThenFailCollate(collate_flaky, flag_dir),
+            num_workers=num_workers,
+            multiprocessing_context="fork" if num_workers else None,
+            generator=torch.Generator().manual_seed(11),
+            retry=RetryPolicy(attempts=3, backoff_s=0.0),
+        )
+        with loader:
+            got = list(loader)
+            assert loader.statistics().retries == (flaky >= 0)
+            return got
+
+    with tempfile.TemporaryDirectory() as d:
+        assert run(flaky=4, flag_dir=d) == run(flaky=-1, flag_dir=d)
+
+
+class GeneratorStream(IterableDataset):
+    """Values 0..5 from a generator that raises OSError at 3 (every time)."""
+
+    def __iter__(self):  # a generator: once it raised, it is finished
+        info = get_worker_info()
+        if info is not None and info.id > 0:
+            return
+        for i in range(6):
+            if i == 3:
+                raise OSError("transient, but a generator cannot be resumed")
+            yield i
+
+
+def _drain_with_errors(loader) -> list:
+    out: list = []
+    it = iter(loader)
+    while True:
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            return out
+        except OSError as exc:
+            assert "a generator cannot be resumed" in str(exc)
+            out.append("OSError")
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_generator_stream_is_not_retried_into_a_silent_end(num_workers: int) -> None:
+    # A generator that raised is finished: retrying next() on it used to end the stream
+    # without a word. Now the error reaches the caller and the stream then ends, as in torch.
+    kw: dict = {"batch_size": 2, "num_workers": num_workers}
+    if num_workers:
+        kw["multiprocessing_context"] = "fork"
+    ours = DataLoader(GeneratorStream(), retry=RetryPolicy(attempts=3, backoff_s=0.0), **kw)
+    with ours:
+        got = _drain_with_errors(ours)
+    expected = _drain_with_errors(torch.utils.data.DataLoader(GeneratorStream(), **kw))
+    assert got == expected == [[0, 1], "OSError"]
