@@ -7,6 +7,7 @@ The base seed is drawn once per loader (from ``generator`` or torch's global RNG
 * worker ``w``'s process seed (started in epoch ``e``): derive(WORKER, base, e, w)
 * a map-style task (batch ``t`` of epoch ``e``):        derive(TASK, base, e, t)
 * the ``k``-th fetch of stream worker ``w`` in ``e``:   derive(STREAM, base, e, w, k)
+* ``iter(dataset)`` in stream worker ``w`` in ``e``:      derive(STREAM, base, e, w, -1)
 
 Before each task, python ``random``, numpy's global RNG and torch's CPU generator are seeded with
 the task seed, so a batch's random augmentations depend only on which batch it is -- not on

@@ -146,6 +146,9 @@ def _has_state(obj: object) -> bool:
     )
 
 
+ITER_START = -1  # the fetch number whose seed is in force while iter(dataset) runs
+
+
 class StreamFetcher:
     """Fetch batches from an iterable dataset's iterator, tracking its state.
 
@@ -224,6 +227,9 @@ class StreamFetcher:
                 state = decode_state(raw) if encoded else raw
                 if encoded:
                     self.prev_state = dict(raw)  # what the main process holds: deltas from it
+        # iter() may draw random numbers (a shard order shuffled per epoch): it draws from
+        # the epoch's stream seed, so a resumed or respawned worker draws the same.
+        seed_global_rngs(seed_for(ITER_START))
         if _has_state(ds):
             if state is not None:
                 ds.load_state_dict(state)

@@ -610,3 +610,43 @@ def test_a_generator_stream_is_not_retried_into_a_silent_end(num_workers: int) -
         got = _drain_with_errors(ours)
     expected = _drain_with_errors(torch.utils.data.DataLoader(GeneratorStream(), **kw))
     assert got == expected == [[0, 1], "OSError"]
+
+
+class ShuffledAtIter(IterableDataset):
+    """A plain stream that shuffles its shard when iter() is called (python's global RNG)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = list(range(wid, self.n, nw))
+        random.shuffle(order)  # drawn in iter(), before the first fetch
+        return iter(order)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_randomness_drawn_in_iter_is_the_same_after_a_resume(num_workers: int) -> None:
+    # iter(dataset) ran before the per-fetch seeding, under whatever the RNGs held: a resumed
+    # worker shuffled its shard differently from the uninterrupted run.
+    from resumable_loader.testing import check_resume
+
+    def make() -> DataLoader:
+        return DataLoader(
+            ShuffledAtIter(10),
+            batch_size=2,
+            num_workers=num_workers,
+            multiprocessing_context="fork" if num_workers else None,
+            persistent_workers=bool(num_workers),
+            generator=torch.Generator().manual_seed(3),
+        )
+
+    def resumed() -> DataLoader:
+        random.seed(999)  # another global state in the resuming process
+        torch.manual_seed(999)
+        return make()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fast-forward notice
+        assert check_resume(make, make_resumed=resumed, epochs=2) > 0
