@@ -352,7 +352,9 @@ class _SingleProcessIter(_BaseIter):
             pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
             pos[S.K_DRAWN] = self._tid
             pos[S.K_SAMPLER_DONE] = bool(getattr(self._source, "done", False))
-            pos[S.K_OUTSTANDING] = [[t, self._drawn[t]] for t in sorted(self._drawn)]
+            pos[S.K_OUTSTANDING] = [
+                [t, S.plain_indices(self._drawn[t])] for t in sorted(self._drawn)
+            ]
         if self._iterable:
             holder = self._fetcher.holder
             state = copy.deepcopy(holder.state_dict()) if holder is not None else None
@@ -737,7 +739,9 @@ class _MultiProcessIter(_BaseIter):
             pos[S.K_SAMPLER_DONE] = self._disp.source_done or bool(
                 getattr(self._disp.source, "done", False)
             )
-            pos[S.K_OUTSTANDING] = [[t, self._drawn[t]] for t in sorted(self._drawn)]
+            pos[S.K_OUTSTANDING] = [
+                [t, S.plain_indices(self._drawn[t])] for t in sorted(self._drawn)
+            ]
         if self._ledger is not None:
             pos[S.K_AHEAD] = []
             pos[S.K_WORKERS] = self._ledger.export()
@@ -1041,7 +1045,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             S.K_VERSION: S.VERSION,
             S.K_CONFIG: dict(self._config),
             S.K_SEED: self._ensure_seed(),
-            S.K_SKIPPED: [list(x) for x in self._counters.skipped],
+            S.K_SKIPPED: [[e, t, S.plain_indices(i)] for e, t, i in self._counters.skipped],
         }
         sd.update(pos)
         return sd
@@ -1078,7 +1082,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._base_seed = rp.seed
         self._resume = rp
         self._next_epoch = rp.epoch
-        self._counters.skipped = [list(x) for x in rp.skipped]
+        self._counters.skipped = [[e, t, S.plain_indices(i)] for e, t, i in rp.skipped]
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits."""

@@ -24,6 +24,7 @@ is json-able) and msgpack (``dump_state``). Keys:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,23 @@ class ResumePoint:
     next_worker: int = 0
     skipped: list[Any] = field(default_factory=list)
     source: dict[str, Any] | None = None  # the state it came from, for state_dict()
+
+
+def plain_indices(idx: Any) -> Any:
+    """A task's sample indices as plain ints: samplers often yield numpy or tensor integers,
+    which are not plain data (json, msgpack and torch.load(weights_only=True) refuse them)."""
+    if isinstance(idx, (list, tuple)):
+        return [_plain_index(i) for i in idx]
+    return _plain_index(idx)
+
+
+def _plain_index(i: Any) -> Any:
+    if type(i) is int:
+        return i
+    try:
+        return int(operator.index(i))
+    except TypeError:
+        return i  # not an integer at all: parse_state says so on load
 
 
 def _same(a: Any, b: Any) -> bool:

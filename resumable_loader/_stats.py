@@ -21,7 +21,7 @@ class LoaderStatistics:
         resent_tasks: tasks sent again because the worker holding them died.
         duplicates_dropped: results that arrived twice and were dropped.
         skipped_tasks: poison tasks skipped under ``on_poison="skip"``, as
-            ``(epoch, task id, sample indices)``.
+            ``(epoch, task id, sample indices)`` (indices as a tuple: the snapshot is immutable).
         wait_time_s: time the caller spent blocked waiting for data.
         workers_alive: worker processes running now.
     """
@@ -59,7 +59,9 @@ class Counters:
             retries=self.retries,
             resent_tasks=self.resent_tasks,
             duplicates_dropped=self.duplicates_dropped,
-            skipped_tasks=tuple((e, t, i) for e, t, i in self.skipped),
+            skipped_tasks=tuple(
+                (e, t, tuple(i) if isinstance(i, list) else i) for e, t, i in self.skipped
+            ),
             wait_time_s=self.wait_time_s,
             workers_alive=workers_alive,
         )

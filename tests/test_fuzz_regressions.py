@@ -650,3 +650,51 @@ def test_randomness_drawn_in_iter_is_the_same_after_a_resume(num_workers: int) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the fast-forward notice
         assert check_resume(make, make_resumed=resumed, epochs=2) > 0
+
+
+class NumpyIndexSampler(torch.utils.data.Sampler[int]):
+    """A stateful sampler that yields numpy integers, as many real samplers do."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        perm = np.random.RandomState(7).permutation(self.n)
+        while self.pos < self.n:
+            self.pos += 1
+            yield perm[self.pos - 1]
+        self.pos = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_numpy_indices_from_a_sampler_make_a_plain_state(num_workers: int) -> None:
+    from resumable_loader import dump_state, load_state
+    from resumable_loader.testing import check_resume
+
+    def make() -> DataLoader:
+        return DataLoader(
+            RangeData(),
+            batch_size=1,
+            sampler=NumpyIndexSampler(4),
+            num_workers=num_workers,
+            multiprocessing_context="fork" if num_workers else None,
+        )
+
+    loader = make()
+    it = iter(loader)
+    next(it)
+    sd = loader.state_dict()
+    loader.close()
+    assert load_state(dump_state(sd)) == sd  # would raise CheckpointError on numpy.int64
+    for via in ("torch", "json"):
+        assert check_resume(make, via=via, epochs=1) > 0

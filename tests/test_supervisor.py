@@ -159,7 +159,7 @@ def test_poison_sample_can_be_skipped(tmp_path) -> None:
         got = [canonical(b) for b in loader]
     assert got == reference()[:-1]
     stats = loader.statistics()
-    assert stats.skipped_tasks == ((0, 5, [20, 21, 22, 23]),)
+    assert stats.skipped_tasks == ((0, 5, (20, 21, 22, 23)),)
     assert loader.state_dict()["skipped"] == [[0, 5, [20, 21, 22, 23]]]
 
 
