@@ -698,3 +698,41 @@ def test_numpy_indices_from_a_sampler_make_a_plain_state(num_workers: int) -> No
     assert load_state(dump_state(sd)) == sd  # would raise CheckpointError on numpy.int64
     for via in ("torch", "json"):
         assert check_resume(make, via=via, epochs=1) > 0
+
+
+class MyRandomSampler(torch.utils.data.RandomSampler):
+    """A subclass: not torch's exact type, so it is fast-forwarded."""
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("kind", ["subset", "weighted", "subclass"])
+def test_samplers_drawing_from_the_global_rng_resume_under_another_seed(
+    kind: str, num_workers: int
+) -> None:
+    # They drew from torch's global RNG, which the resuming process seeds differently: the
+    # fast-forward replayed another order, and samples were repeated and skipped silently.
+    from resumable_loader.testing import check_resume
+
+    def make() -> DataLoader:
+        sampler = {
+            "subset": lambda: torch.utils.data.SubsetRandomSampler(range(12)),
+            "weighted": lambda: torch.utils.data.WeightedRandomSampler(
+                [1.0] * 12, 12, replacement=False
+            ),
+            "subclass": lambda: MyRandomSampler(range(12)),
+        }[kind]()
+        return DataLoader(
+            list(range(12)),
+            batch_size=3,
+            sampler=sampler,
+            num_workers=num_workers,
+            multiprocessing_context="fork" if num_workers else None,
+            generator=torch.Generator().manual_seed(1),
+        )
+
+    def resumed() -> DataLoader:
+        torch.manual_seed(12345)
+        return make()
+
+    torch.manual_seed(0)
+    assert check_resume(make, make_resumed=resumed, epochs=2) > 0
