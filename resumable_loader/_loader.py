@@ -44,7 +44,7 @@ from torch.utils.data import Dataset, Sampler
 from . import _state as S
 from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
-from ._pin import PinStage, pin_memory
+from ._pin import PinStage, current_device_index, pin_memory
 from ._reorder import ReorderBuffer
 from ._sampling import BUILTIN, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
@@ -415,7 +415,8 @@ class _MultiProcessIter(_BaseIter):
                     sup.respawn(slot)
         pin_fn = loader._pin_fn()
         if pin_fn is not None:
-            self._pin = PinStage(loader._fork_lock, pin_fn)
+            device = None if pin_fn is loader._force_pin_fn else current_device_index()
+            self._pin = PinStage(loader._fork_lock, pin_fn, device)
             sup.watch_extra(self._pin.wake_fd, "pin")
             self._finalizer.detach()
             self._finalizer = weakref.finalize(

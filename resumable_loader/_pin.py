@@ -15,10 +15,11 @@ import collections
 import os
 import queue
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
 from ._worker import ERROR, WorkerError
 
@@ -28,40 +29,42 @@ JOIN_TIMEOUT_S = 5.0
 
 
 def pin_memory(data: Any) -> Any:
-    """Pin every tensor in ``data`` (nested mappings/sequences/namedtuples, objects with a
-    ``pin_memory()`` method), as torch's loader does."""
-    if isinstance(data, torch.Tensor):
-        return data.pin_memory()
-    if isinstance(data, (str, bytes)):
-        return data
-    if isinstance(data, Mapping):
-        try:
-            return type(data)({k: pin_memory(v) for k, v in data.items()})  # type: ignore[call-arg]
-        except TypeError:
-            return {k: pin_memory(v) for k, v in data.items()}
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(pin_memory(x) for x in data))
-    if isinstance(data, tuple):
-        return tuple(pin_memory(x) for x in data)
-    if isinstance(data, Sequence):
-        try:
-            return type(data)([pin_memory(x) for x in data])  # type: ignore[call-arg]
-        except TypeError:
-            return [pin_memory(x) for x in data]
-    if hasattr(data, "pin_memory"):
-        return data.pin_memory()
-    return data
+    """Pin every tensor in ``data`` exactly as torch's loader does: torch's own function (it
+    calls an object's ``pin_memory()`` first, keeps container types, copies mutable ones)."""
+    return _torch_pin_memory(data)
+
+
+def current_device_index() -> int | None:
+    """The accelerator device the pin thread should use (the caller's current one)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "current_device_index"):
+        return int(acc.current_device_index()) if acc.is_available() else None
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def _set_device_index(index: int) -> None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "set_device_index"):
+        acc.set_device_index(index)
+    else:
+        torch.cuda.set_device(index)
 
 
 class PinStage:
     """A daemon thread pinning (tid, item) pairs; results come back through ``drain()``."""
 
-    def __init__(self, fork_lock: threading.Lock, pin_fn: Callable[[Any], Any] = pin_memory):
+    def __init__(
+        self,
+        fork_lock: threading.Lock,
+        pin_fn: Callable[[Any], Any] = pin_memory,
+        device_index: int | None = None,
+    ):
         self._in: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._out: collections.deque[tuple[int, Any]] = collections.deque()
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._fork_lock = fork_lock
         self._pin = pin_fn
+        self._device_index = device_index
         self.in_flight = 0
         self._thread = threading.Thread(target=self._run, name="resumable_loader-pin", daemon=True)
         self._thread.start()
@@ -87,6 +90,11 @@ class PinStage:
         return out
 
     def _run(self) -> None:
+        # As torch's pin thread: one intra-op thread for the copies (the setting is per
+        # thread), on the device that was current where the iterator was made.
+        torch.set_num_threads(1)
+        if self._device_index is not None:
+            _set_device_index(self._device_index)
         while True:
             job = self._in.get()
             if job is None:
