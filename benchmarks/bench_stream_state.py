@@ -14,7 +14,8 @@ serialisation costs differ ~10x). Also reported: the cost of one state_dict() + 
 process, the pickled size, how many times the workers called state_dict() per batch, and the
 size of the loader's own checkpoint (len(dump_state(loader.state_dict()))) mid-epoch.
 
-Run: python3 benchmarks/bench_stream_state.py [--quick] [--rounds N] [--start-method ...]
+Run: python3 benchmarks/bench_stream_state.py [--quick] [--rounds N] [--every N]
+     [--start-method ...]
 Exits non-zero only if a stream is wrong (an item lost or delivered twice).
 """
 
@@ -117,7 +118,9 @@ def _chain(first: Any, rest: Any) -> Any:
     yield from rest
 
 
-def one_epoch(loader_cls: type, cls: type, n: int, start_method: str) -> dict[str, float]:
+def one_epoch(
+    loader_cls: type, cls: type, n: int, start_method: str, **kw: Any
+) -> dict[str, float]:
     ds = cls(n)
     t0 = time.perf_counter()
     loader = loader_cls(
@@ -126,6 +129,7 @@ def one_epoch(loader_cls: type, cls: type, n: int, start_method: str) -> dict[st
         num_workers=WORKERS,
         multiprocessing_context=start_method,
         collate_fn=collate_rows,
+        **kw,
     )
     it = iter(loader)
     first = next(it)
@@ -204,6 +208,13 @@ def checkpoint_size(api: C.LoaderAPI, cls: type, start_method: str) -> int | str
 def main() -> int:
     p = C.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 4, quick 2)")
+    p.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help="stream_state_every for the stateful variants (default: adaptive); 1 = a state "
+        "with every result, whatever it costs",
+    )
     args = C.parse(p)
     rounds = args.rounds or (2 if args.quick else 4)
     n = 16_000 if args.quick else 64_000
@@ -216,8 +227,15 @@ def main() -> int:
     if api.selftest:
         print("SELF-TEST: torch's loader never calls state_dict(): overheads are ~0 by design")
 
+    kw = {} if args.every is None or api.selftest else {"stream_state_every": args.every}
+    if kw:
+        print(f"stateful variants with stream_state_every={args.every}")
     fns = {
-        name: (lambda cls=cls: one_epoch(api.DataLoader, cls, n, args.start_method))
+        name: (
+            lambda cls=cls, name=name: one_epoch(
+                api.DataLoader, cls, n, args.start_method, **({} if name == "plain" else kw)
+            )
+        )
         for name, cls in VARIANTS.items()
     }
     try:
@@ -230,7 +248,12 @@ def main() -> int:
     plain_steady = C.median([r["steady_s"] for r in runs["plain"]])
     batches = -(-n // BATCH)
     rows = []
-    summary: dict[str, Any] = {"start_method": args.start_method, "n": n, "rounds": rounds}
+    summary: dict[str, Any] = {
+        "start_method": args.start_method,
+        "n": n,
+        "rounds": rounds,
+        "stream_state_every": args.every,
+    }
     for name, cls in VARIANTS.items():
         ratios = C.per_round_ratio(runs, name, "plain", "steady_s")
         ratios_total = C.per_round_ratio(runs, name, "plain", "total_s")
