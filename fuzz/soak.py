@@ -20,6 +20,7 @@ from collections import Counter
 
 import psutil
 import torch
+from _leaks import shm_entries
 from torch.utils.data import Dataset
 
 from resumable_loader import DataLoader
@@ -59,10 +60,7 @@ def _helper(child: psutil.Process) -> bool:
 def snapshot() -> dict[str, int]:
     me = psutil.Process()
     kids = [c for c in me.children(recursive=True) if not _helper(c)]
-    try:
-        shm = len([x for x in os.listdir("/dev/shm") if x.startswith("torch_")])
-    except FileNotFoundError:
-        shm = 0
+    shm = len(shm_entries())  # all of /dev/shm, not only torch's segments
     return {
         "rss_mb": me.memory_info().rss // 2**20,
         "fds": len(os.listdir("/proc/self/fd")),
