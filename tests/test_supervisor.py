@@ -88,6 +88,41 @@ def test_sigkill_from_outside_mid_epoch(method: str) -> None:
     assert loader.statistics().respawns_by_cause["signal:SIGKILL"] == 2
 
 
+def fork_a_grandchild(worker_id: int) -> None:
+    """worker_init_fn: fork a child that inherits (and so holds open) the worker's process
+    sentinel and result socket, and outlives the worker by 3 s (6 polling intervals)."""
+    parent = os.getpid()
+    if os.fork() == 0:
+        try:
+            while os.getppid() == parent:
+                time.sleep(0.02)  # the grandchild's own lifetime, not a test synchronisation
+            time.sleep(3.0)
+        finally:
+            os._exit(0)
+
+
+def test_death_hidden_from_sentinel_and_socket_is_found_by_polling() -> None:
+    # A worker's own child keeps the sentinel pipe and the result socket open, so neither
+    # reports the worker's death; only the liveness polling (is_alive) can find it.
+    def make(**kw) -> DataLoader:
+        return DataLoader(RandomAugDataset(4 * N), batch_size=BS, generator=gen(), **kw)
+
+    ref = [canonical(b) for b in make()]
+    loader = make(
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=fork_a_grandchild,
+        timeout=2.5,  # the grandchild lets go after 3 s: the death must be found before that
+    )
+    got = []
+    for i, batch in enumerate(loader):
+        got.append(canonical(batch))
+        if i == 2:
+            kill_worker(loader, 0, signal.SIGKILL)
+    assert got == ref
+    assert dict(loader.statistics().respawns_by_cause) == {"signal:SIGKILL": 1}
+
+
 def test_hung_worker_is_killed_after_task_timeout(tmp_path) -> None:
     loader = faulty_loader(tmp_path, {10: Fault("stop")}, task_timeout=1.0)
     got = [canonical(b) for b in loader]
