@@ -13,6 +13,7 @@ Fault injection (works under fork, spawn and forkserver; attempts are counted in
 respawned worker sees how often a sample already crashed):
     ``Fault``, ``FaultyDataset``, ``FaultyStream``   crash/hang/fail on chosen samples/attempts
     ``worker_pids(loader)``, ``kill_worker(loader, k, sig)``   act on live workers
+    ``kill_at(loader, {n: [(k, sig)]})``          iterate, signalling worker k after batch n
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import signal
 import struct
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "Resources",
     "canonical",
     "check_resume",
+    "kill_at",
     "kill_worker",
     "leaks_since",
     "reference_stream",
@@ -364,6 +366,24 @@ def worker_pids(loader: Any) -> list[int]:
     if sup is None:
         return []
     return [s.pid if s.alive else -1 for s in sup.slots]
+
+
+def kill_at(loader: Any, plan: Mapping[int, Iterable[tuple[int, int]]]) -> Iterator[Any]:
+    """Iterate ``loader``, signalling workers at chosen batches.
+
+    ``plan`` maps a batch number n (0-based) to ``(worker id, signal)`` pairs, sent right
+    after batch n is delivered: ``signal.SIGKILL`` or ``SIGSEGV`` for a crash, ``SIGSTOP``
+    for a hang (the loader needs ``task_timeout`` to notice that). For example::
+
+        for batch in kill_at(loader, {3: [(0, signal.SIGKILL)], 7: [(1, signal.SIGSTOP)]}):
+            ...
+
+    To make a worker fail on a given sample instead, wrap the dataset in ``FaultyDataset``.
+    """
+    for n, batch in enumerate(loader):
+        yield batch
+        for worker, sig in plan.get(n, ()):
+            kill_worker(loader, worker, sig)
 
 
 def kill_worker(loader: Any, worker: int, sig: int = signal.SIGKILL) -> int:

@@ -20,7 +20,14 @@ from _datasets import RandomAugDataset
 from _streams import Shard, StatefulShard
 
 from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
-from resumable_loader.testing import Fault, FaultyDataset, FaultyStream, canonical, kill_worker
+from resumable_loader.testing import (
+    Fault,
+    FaultyDataset,
+    FaultyStream,
+    canonical,
+    kill_at,
+    kill_worker,
+)
 
 N, BS = 24, 4  # 6 batches: task t holds samples 4t .. 4t+3
 POSITIONS = {"first": 1, "mid": 10, "last": 23}
@@ -78,12 +85,8 @@ def test_sigkill_from_outside_mid_epoch(method: str) -> None:
 
     ref = [canonical(b) for b in make()]
     loader = make(num_workers=2, multiprocessing_context=method)
-    got = []
-    for i, batch in enumerate(loader):
-        got.append(canonical(batch))
-        if i == 2:
-            kill_worker(loader, 0, signal.SIGKILL)
-            kill_worker(loader, 1, signal.SIGKILL)
+    plan = {2: [(0, signal.SIGKILL), (1, signal.SIGKILL)]}
+    got = [canonical(b) for b in kill_at(loader, plan)]
     assert got == ref
     assert loader.statistics().respawns_by_cause["signal:SIGKILL"] == 2
 
