@@ -20,6 +20,7 @@ from typing import Any
 
 from resumable_loader._checkpoint import MAGIC, _encoded_size, load_state
 from resumable_loader._errors import CheckpointError
+from resumable_loader._seeding import SAMPLER, derive_seed
 
 # The value of the "format" key in a state written by resumable_loader.DataLoader.state_dict().
 STATE_FORMAT = "resumable_loader.DataLoader"
@@ -38,7 +39,6 @@ KNOWN_KEYS = (
     "workers",
     "next_worker",
     "skipped",
-    "stats",
 )
 
 # How much of a long list the summary shows: enough to recognise a task, short enough to read.
@@ -265,15 +265,22 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
     else:
         out.field("  (config)", _describe(config))
 
-    out.field("seed", _scalar(state.get("seed", MISSING)))
-    out.field("epoch", _scalar(state.get("epoch", MISSING)))
+    seed, epoch = state.get("seed", MISSING), state.get("epoch", MISSING)
+    out.field("seed", _scalar(seed))
+    out.field("epoch", _scalar(epoch))
+    if _is_count(seed) and _is_count(epoch):
+        out.field(
+            "epoch seeds",
+            f"shuffle {derive_seed(SAMPLER, seed, epoch)}; each batch from (seed, epoch, task id)",
+        )
     consumed = state.get("consumed", MISSING)
     ahead = state.get("delivered_ahead", MISSING)
     out.field(
         "position",
         f"{_scalar(consumed)} tasks consumed; delivered ahead: {_int_list(ahead, SHOW_INDICES)}",
     )
-    _outstanding_lines(out, state.get("outstanding", MISSING))
+    sampler = config.get("sampler") if isinstance(config, dict) else None
+    _outstanding_lines(out, state.get("outstanding", MISSING), sampler, consumed)
     sampler_state = state.get("sampler_state", MISSING)
     if sampler_state is MISSING or sampler_state is None:
         out.field("sampler_state", "absent" if sampler_state is None else MISSING)
@@ -281,14 +288,6 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
         out.field("sampler_state", f"present: {_describe(sampler_state)}")
     _worker_lines(out, state.get("workers", MISSING), state.get("next_worker", MISSING))
     _skipped_lines(out, state.get("skipped", MISSING))
-    stats = state.get("stats", MISSING)
-    if isinstance(stats, dict):
-        items = list(stats.items())
-        text = ", ".join(f"{k}={_scalar(v)}" for k, v in items[:SHOW_KEYS])
-        out.field("stats", (text + (", ..." if len(items) > SHOW_KEYS else "")) or "(empty)")
-    else:
-        out.field("stats", _describe(stats))
-
     extra = [k for k in state if k not in KNOWN_KEYS]
     if extra:
         out.line(f"other keys ({len(extra)})")
@@ -321,7 +320,21 @@ def _config_lines(out: _Lines, config: dict[Any, Any]) -> None:
             out.field(f"  {_clip(str(key), 12)}", _describe(value))
 
 
-def _outstanding_lines(out: _Lines, outstanding: Any) -> None:
+def _outstanding_lines(out: _Lines, outstanding: Any, sampler: Any, consumed: Any) -> None:
+    if outstanding is MISSING and isinstance(sampler, str) and _is_count(consumed):
+        if sampler == "sequential" or sampler.startswith("random("):
+            out.field(
+                "outstanding",
+                f"- (built-in sampler: tasks {consumed} on are recomputed from seed and epoch)",
+            )
+            return
+        if sampler.startswith("fastforward:"):
+            out.field(
+                "outstanding",
+                f"- (the sampler is replayed for {consumed} tasks, then tasks {consumed} on "
+                "are drawn)",
+            )
+            return
     if not isinstance(outstanding, list):
         out.field("outstanding", _describe(outstanding))
         return
@@ -343,7 +356,7 @@ def _worker_lines(out: _Lines, workers: Any, next_worker: Any) -> None:
     out.field("workers", f"{len(workers)} (next: {_scalar(next_worker)})")
     if not workers:
         return
-    out.line(f"  {'id':>4}  {'delivered':>9}  {'exhausted':<9}  dataset_state")
+    out.line(f"  {'id':>4}  {'delivered':>9}  {'exhausted':<9}  {'state_at':>8}  dataset_state")
     for worker in workers:
         if not isinstance(worker, dict):
             out.line(f"  {_describe(worker)}")
@@ -352,9 +365,12 @@ def _worker_lines(out: _Lines, workers: Any, next_worker: Any) -> None:
         flag = "yes" if exhausted is True else "no" if exhausted is False else _scalar(exhausted)
         dataset_state = worker.get("dataset_state", MISSING)
         ds = "None" if dataset_state is None else _describe(dataset_state)
+        if isinstance(dataset_state, (dict, list)):
+            ds += _preview(dataset_state)
         out.line(
             f"  {_scalar(worker.get('id', MISSING)):>4}  "
-            f"{_scalar(worker.get('delivered', MISSING)):>9}  {flag:<9}  {ds}"
+            f"{_scalar(worker.get('delivered', MISSING)):>9}  {flag:<9}  "
+            f"{_scalar(worker.get('state_at', MISSING)):>8}  {ds}"
         )
 
 
@@ -463,6 +479,18 @@ def _jsonable(value: Any) -> Any:
 
 def _kind(value: Any) -> str:
     return f"a {type(value).__name__}"
+
+
+def _preview(value: Any) -> str:
+    """': ' and the first characters of a small container, if it can be shown as JSON."""
+    try:
+        return ": " + _clip(json.dumps(_jsonable(value), ensure_ascii=False), 60)
+    except (RecursionError, ValueError):
+        return ""  # it holds itself (torch.save allows cycles): the line above says enough
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 def _is_int(text: str) -> bool:

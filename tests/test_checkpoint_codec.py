@@ -599,3 +599,17 @@ def test_summary_of_an_empty_state_shows_dashes() -> None:
     assert "seed             -" in text
     assert "workers          -" in text
     assert "format           -, version -" in text
+
+
+def test_summary_explains_outstanding_seeds_and_worker_states() -> None:
+    from resumable_loader._seeding import SAMPLER, derive_seed
+
+    state = loader_state(outstanding=None)
+    del state["outstanding"]
+    state["config"]["sampler"] = "random(replacement=False, num_samples=19)"
+    text = format_summary(state)
+    seed, epoch, consumed = state["seed"], state["epoch"], state["consumed"]
+    assert f"shuffle {derive_seed(SAMPLER, seed, epoch)}" in text
+    assert f"tasks {consumed} on are recomputed from seed and epoch" in text
+    assert "state_at" in text and '{"pos": 36' in text  # worker 0's state, previewed
+    assert "stats" in text.split("other keys")[1]  # an unknown key is listed as such
