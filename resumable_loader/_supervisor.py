@@ -85,20 +85,27 @@ def _unregister_fds(*fds: int) -> None:
 
 
 class _ChildSignal:
-    """The process-wide SIGCHLD hook shared by all supervisors."""
+    """The process-wide SIGCHLD hook shared by all supervisors.
 
-    lock = threading.Lock()
+    The handler writes to the wake fds while holding ``lock``, and a supervisor closes its
+    wake fds only after ``remove()`` (which takes the lock) has returned: so the handler never
+    writes to a number that was closed and handed to another file meanwhile. The lock is
+    re-entrant because the handler runs in the main thread, which may be inside add/remove.
+    """
+
+    lock = threading.RLock()
     wake_fds: set[int] = set()
     previous: Any = None
     installed = False
 
     @classmethod
     def _handler(cls, signum: int, frame: Any) -> None:
-        for fd in tuple(cls.wake_fds):
-            try:
-                os.write(fd, b"c")
-            except OSError:
-                pass  # full (a wake-up is pending) or closed by a concurrent shutdown
+        with cls.lock:
+            for fd in tuple(cls.wake_fds):
+                try:
+                    os.write(fd, b"c")
+                except OSError:
+                    pass  # full: a wake-up is already pending
         prev = cls.previous
         if callable(prev):
             prev(signum, frame)
