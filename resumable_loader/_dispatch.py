@@ -163,10 +163,15 @@ class Dispatcher:
     def on_death(self, slot: WorkerSlot) -> tuple[Task | None, list[int]]:
         """Take back a dead slot's tasks; returns (the task it was running, all its tids).
 
-        The task it was running is the lowest id it held (workers run lowest first).
+        The task it was running is the earliest sent of those it held: a worker runs tasks in
+        arrival order, except that it takes a lower id first (a re-sent task), and then it
+        says so (STARTED, recorded in ``slot.running``).
         """
         tids = sorted(slot.outstanding)
-        blamed = self.tasks[tids[0]] if tids else None
+        running = slot.running if slot.running in slot.outstanding else None
+        if running is None and slot.outstanding:
+            running = slot.outstanding[0]
+        blamed = self.tasks[running] if running is not None else None
         if not self.iterable:
             slot.outstanding.clear()
             for tid in tids:

@@ -41,7 +41,7 @@ from typing import Any
 
 from ._errors import WorkerCrashError
 from ._transport import Receiver
-from ._worker import BOOTED, INIT_ERROR, READY, STOP, WorkerSpec, worker_main
+from ._worker import BOOTED, INIT_ERROR, READY, STARTED, STOP, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
 
@@ -200,6 +200,7 @@ class WorkerSlot:
         self.init_error: Any = None
         self.booted = False  # the current process has sent BOOTED
         self.start_since = 0.0  # when it was started, then when it sent BOOTED
+        self.running: int | None = None  # the task it said it started out of order (STARTED)
         self.generation = 0  # counts (re)spawns of this slot
         # Stream bookkeeping (iterable datasets), per epoch:
         self.exhausted = False  # an END was received from this slot
@@ -310,6 +311,7 @@ class Supervisor:
         slot.result_conn = Receiver(result_r)
         slot.state = STARTING
         slot.booted = False
+        slot.running = None
         slot.start_since = time.monotonic()
         slot.generation += 1
         slot.busy_since = time.monotonic()
@@ -470,7 +472,9 @@ class Supervisor:
             slot.busy_since = time.monotonic()
         for msg in msgs:
             tag = msg[0]
-            if tag == BOOTED:
+            if tag == STARTED:
+                slot.running = msg[1]
+            elif tag == BOOTED:
                 slot.booted = True
                 slot.start_since = time.monotonic()  # worker_init_fn's time starts now
             elif tag == READY:

@@ -42,6 +42,10 @@ STOP = 2  # (STOP,)
 READY = 10  # (READY, worker_id, pid)
 INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
 BOOTED = 13  # (BOOTED, worker_id): the process runs our code; worker_init_fn comes next
+# (STARTED, tid): sent when the worker starts a task out of arrival order (a re-sent task
+# with a lower id overtaking ones that came before it), so a death is blamed on the task
+# actually running. Otherwise the main process knows: it is the earliest-sent task held.
+STARTED = 14
 RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries, drained)
 #   state_delta: None, or the stream state after this fetch (changed keys only, pickled)
 #   drained: the stream ran dry while this batch was filled (its state may already be rewound)
@@ -535,7 +539,8 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         seed_global_rngs(fetch_seed)
         return run_stream(fn)[0]
 
-    pending: list[tuple[int, Any]] = []  # heap of (tid, payload)
+    pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
+    arrivals = 0
 
     while True:
         # Take everything waiting in the pipe so the lowest task id runs first.
@@ -548,7 +553,8 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
             tag = msg[0]
             if tag == TASK_MSG:
                 if msg[1] == gen:
-                    heapq.heappush(pending, (msg[2], msg[3]))
+                    heapq.heappush(pending, (msg[2], arrivals, msg[3]))
+                    arrivals += 1
             elif tag == EPOCH:
                 pending.clear()
                 _, gen, epoch, base, resume = msg
@@ -565,7 +571,10 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
                         return
             elif tag == STOP:
                 return
-        tid, payload = heapq.heappop(pending)
+        tid, arrival, payload = heapq.heappop(pending)
+        overtakes = any(a < arrival for _, a, _ in pending)
+        if overtakes and not _send(result_conn, (STARTED, tid)):
+            return
         if spec.iterable:
             seed = derive_seed(STREAM, base, epoch, wid, payload)
         else:

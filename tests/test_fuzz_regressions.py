@@ -736,3 +736,30 @@ def test_samplers_drawing_from_the_global_rng_resume_under_another_seed(
 
     torch.manual_seed(0)
     assert check_resume(make, make_resumed=resumed, epochs=2) > 0
+
+
+@pytest.mark.parametrize("action", ["sigkill", "stop"])
+def test_a_task_re_sent_to_a_dying_worker_is_not_blamed_for_its_death(tmp_path, action) -> None:
+    # Sample 10 (task 2) crashes its worker twice, then loads; sample 14 (task 3, on the other
+    # worker) crashes once. Task 2 was re-sent to the worker already running task 3; that
+    # death was blamed on the lowest id held (2), so task 2 reached max_task_attempts=3 after
+    # two real crashes and was given up as poison. (Found by tests/test_crash_table.py.)
+    from _datasets import RandomAugDataset
+
+    from resumable_loader.testing import Fault, FaultyDataset, canonical
+
+    gen = torch.Generator().manual_seed(42)
+    ref = [canonical(b) for b in DataLoader(RandomAugDataset(24), batch_size=4, generator=gen)]
+    faults = {10: Fault(action, attempts=frozenset({0, 1})), 14: Fault(action)}
+    loader = DataLoader(
+        FaultyDataset(RandomAugDataset(24), faults, tmp_path),
+        batch_size=4,
+        num_workers=2,
+        generator=torch.Generator().manual_seed(42),
+        multiprocessing_context="fork",
+        task_timeout=1.0 if action == "stop" else None,
+    )
+    with loader:
+        got = [canonical(b) for b in loader]
+        assert loader.statistics().respawns == 3
+    assert got == ref

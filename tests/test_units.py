@@ -163,3 +163,26 @@ def test_pin_memory_treats_containers_as_torch_does() -> None:
     assert type(pair) is _Pair and pair == (1, "x")
     dd = pin_memory(collections.defaultdict(list, a=1))
     assert type(dd) is collections.defaultdict and dd.default_factory is list
+
+
+def test_a_death_is_blamed_on_the_task_the_worker_was_running() -> None:
+    import collections
+    from types import SimpleNamespace
+
+    from resumable_loader._dispatch import Dispatcher, Task
+    from resumable_loader._supervisor import WorkerSlot
+
+    slot = WorkerSlot(1)
+    disp = Dispatcher(SimpleNamespace(slots=[slot]), False, 3, iter(()), 0, None, None)
+    for tid in (3, 5, 2):  # task 2 was re-sent to this worker after 3 and 5
+        disp.tasks[tid] = Task(tid, [tid], worker=1)
+    slot.outstanding = collections.deque([3, 5, 2])
+    # Workers run tasks in arrival order: 3 was running, not the lowest id held (2).
+    blamed, tids = disp.on_death(slot)
+    assert blamed is not None and blamed.tid == 3 and tids == [2, 3, 5]
+
+    # A worker that takes a re-sent lower id first says so (STARTED): that one is blamed.
+    slot.outstanding = collections.deque([5, 2])
+    slot.running = 2
+    blamed, _ = disp.on_death(slot)
+    assert blamed is not None and blamed.tid == 2
