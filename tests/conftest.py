@@ -28,9 +28,13 @@ def _multiprocessing_helpers():
     server; each keeps a pipe fd in this process for its whole life. They are not ours to clean
     up, and starting them here keeps them out of every test's leak check.
     """
+    import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
     resource_tracker.ensure_running()
+    # Workers forked from a server that has torch imported start in milliseconds, not seconds
+    # (what a user gets from multiprocessing.set_forkserver_preload too).
+    multiprocessing.set_forkserver_preload(["torch", "resumable_loader"])
     forkserver.ensure_running()
     yield
 
