@@ -397,7 +397,8 @@ def decode_state(encoded: dict[Any, bytes]) -> Any:
 def make_retrier(retry: Any, reseed: Any, can_retry: Any = None) -> Any:
     """A callable ``run(fn, *args) -> (result, retries)`` honouring a RetryPolicy (or None).
 
-    ``reseed()`` runs before each attempt; ``can_retry()``, if given, may veto a retry."""
+    ``reseed()`` runs before each retry (not before the first attempt, which the caller has
+    seeded); ``can_retry()``, if given, may veto a retry."""
     if retry is None:
 
         def run_once(fn: Any, *args: Any) -> tuple[Any, int]:
@@ -417,7 +418,8 @@ def make_retrier(retry: Any, reseed: Any, can_retry: Any = None) -> Any:
                 lambda exc: isinstance(exc, types) and (can_retry is None or can_retry())
             ),
             reraise=True,
-            before=lambda _state: reseed(),
+            # Only between attempts: the first runs as the caller seeded it.
+            before_sleep=lambda _state: reseed(),
         )
         result = retrier(fn, *args)
         return result, retrier.statistics.get("attempt_number", 1) - 1

@@ -551,7 +551,7 @@ def test_stream_retry_is_exact_even_when_the_failing_step_drew_random_numbers(
 ) -> None:
     # A retry restores the RNGs as they were before the step that raised, and keeps the items
     # already read (also when the collate raised): the stream equals an uninterrupted run.
-    def run(flaky: int, flag_dir: str) -> list:
+    def run(flaky: int, flag_dir: str, retry: bool = True) -> list:
         next_flaky = flaky if where == "next" else -1
         collate_flaky = flaky if where == "collate" else -1
         loader = DataLoader(
@@ -561,7 +561,7 @@ def test_stream_retry_is_exact_even_when_the_failing_step_drew_random_numbers(
             num_workers=num_workers,
             multiprocessing_context="fork" if num_workers else None,
             generator=torch.Generator().manual_seed(11),
-            retry=RetryPolicy(attempts=3, backoff_s=0.0),
+            retry=RetryPolicy(attempts=3, backoff_s=0.0) if retry else None,
         )
         with loader:
             got = list(loader)
@@ -569,7 +569,10 @@ def test_stream_retry_is_exact_even_when_the_failing_step_drew_random_numbers(
             return got
 
     with tempfile.TemporaryDirectory() as d:
-        assert run(flaky=4, flag_dir=d) == run(flaky=-1, flag_dir=d)
+        # The reference has no RetryPolicy at all: a policy alone must not change a value.
+        reference = run(flaky=-1, flag_dir=d, retry=False)
+        assert run(flaky=-1, flag_dir=d) == reference
+        assert run(flaky=4, flag_dir=d) == reference
 
 
 class GeneratorStream(IterableDataset):
