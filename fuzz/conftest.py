@@ -23,6 +23,7 @@ import, before pytest imports the test modules of this folder.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 from typing import Any
@@ -38,6 +39,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # A forkserver worker then starts without importing torch (no effect if the server runs).
+    multiprocessing.set_forkserver_preload(["torch", "resumable_loader"])
     if core.global_force_seed is None:  # no --hypothesis-seed: draw one, and say which
         core.global_force_seed = random.SystemRandom().randrange(2**32)
 
