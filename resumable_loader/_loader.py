@@ -787,7 +787,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         retry: a ``RetryPolicy`` to retry transient errors inside workers, or None.
         stream_state_every: iterable datasets with state: send the dataset's state with every
             n-th result. ``None`` (default): adaptively -- with every result while taking it
-            costs under 5% of a fetch (then a resume reads nothing twice), else less often, and
+            costs under 3% of a fetch (then a resume reads nothing twice), else less often, and
             a resume or respawn replays the fetches since the last state (at most 255).
             ``1``: always with every result, whatever it costs.
 

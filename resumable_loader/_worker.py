@@ -59,7 +59,7 @@ END = 2  # the worker's stream is exhausted; payload None
 # expensive to take (a 100k-entry shuffle buffer) then rides with every k-th result only, and a
 # resume or respawn replays the < k fetches since (seeded, hence exact). Cheap states -- the
 # usual cursor -- ride with every result and nothing is ever read twice.
-STATE_BUDGET = 0.05
+STATE_BUDGET = 0.03
 # ... and never fewer than one snapshot per this many fetches, which bounds a replay.
 MAX_STATE_INTERVAL = 256
 # A snapshot cheaper than this always rides with its result, whatever the fetch costs: it is

@@ -655,15 +655,8 @@ def test_randomness_drawn_in_iter_is_the_same_after_a_resume(num_workers: int) -
         assert check_resume(make, make_resumed=resumed, epochs=2) > 0
 
 
-class NumpyIndexSampler(torch.utils.data.Sampler[int]):
+class NumpyIndexSampler(SeqSamplerWithState):
     """A stateful sampler that yields numpy integers, as many real samplers do."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.pos = 0
-
-    def __len__(self) -> int:
-        return self.n
 
     def __iter__(self):
         perm = np.random.RandomState(7).permutation(self.n)
@@ -671,12 +664,6 @@ class NumpyIndexSampler(torch.utils.data.Sampler[int]):
             self.pos += 1
             yield perm[self.pos - 1]
         self.pos = 0
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.pos = sd["pos"]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
