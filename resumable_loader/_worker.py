@@ -165,7 +165,8 @@ class StreamFetcher:
             it costs at most STATE_BUDGET of the fetch time (every fetch when it is cheap).
         exact_retry: a RetryPolicy is in force: snapshot the global RNGs before each step
             (each ``next()`` and the collate), so that a retry resumes from the step that
-            raised with the RNGs as they were then (a few microseconds per item).
+            raised with the RNGs as they were then (~75 us per item, numpy's get_state
+            most of it).
 
     A fetch that raises keeps what it already read in ``partial`` (the items pulled, or the
     whole batch if the collate raised): a retry continues from there, so nothing read from
