@@ -328,5 +328,8 @@ def test_stream_worker_death(tmp_path, cls, method: str, action: str, where: str
     ):
         warnings.simplefilter("always")
         check_crash(loader, ref, action, len(samples))
-    for w in caught:  # only a plain stream's replacement warns: it is fast-forwarded
-        assert cls is Shard and "fast-forwarded" in str(w.message), w
+    # Only a plain stream's replacement warns (it is fast-forwarded). Python >= 3.12 also
+    # warns (DeprecationWarning) that fork() in a process with threads may deadlock: not ours.
+    ours = [w for w in caught if not issubclass(w.category, DeprecationWarning)]
+    for w in ours:
+        assert cls is Shard and "fast-forwarded" in str(w.message), w.message
