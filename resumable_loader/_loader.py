@@ -210,7 +210,7 @@ class _SingleProcessIter(_BaseIter):
         super().__init__(loader, epoch)
         plan = self._plan
         self._pin = loader._pin_fn()
-        self._seed: int = 0
+        self._seed: int = 0  # the map task being fetched: what a retry re-seeds with
         # Ids > consumed already delivered (for the state), and the ids to skip when drawn:
         # two sets, because advancing ``consumed`` must not forget what is still to skip.
         self._ahead = set(rp.ahead) if rp else set()
@@ -242,7 +242,6 @@ class _SingleProcessIter(_BaseIter):
             base = self._base
 
             def replay(fn: Any, fetch_seed: int) -> Any:
-                self._seed = fetch_seed
                 seed_global_rngs(fetch_seed)
                 return self._run(fn)[0]
 
@@ -319,10 +318,10 @@ class _SingleProcessIter(_BaseIter):
         if self._exhausted:
             self._finish()
             raise StopIteration
-        self._seed = derive_seed(STREAM, self._base, self.epoch, 0, self._k)
+        seed = derive_seed(STREAM, self._base, self.epoch, 0, self._k)
         try:
             with GlobalRngGuard():
-                seed_global_rngs(self._seed)
+                seed_global_rngs(seed)
                 data, retries = self._run(self._fetcher.fetch)
         except StreamEnd:
             self._exhausted = True

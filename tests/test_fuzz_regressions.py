@@ -133,7 +133,19 @@ def test_killing_a_drained_stream_worker_replays_nothing() -> None:
         assert got == [[0, 1], [100], [2, 3], [4, 5]]
 
 
-class CursorOnDataset(IterableDataset):
+class PosState:
+    """state_dict()/load_state_dict() of a cursor kept in ``self.pos``."""
+
+    pos: int
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+class CursorOnDataset(PosState, IterableDataset):
     """Values 0..3; the cursor (the state) lives on the dataset object, as in many datasets."""
 
     def __init__(self) -> None:
@@ -144,12 +156,6 @@ class CursorOnDataset(IterableDataset):
             self.pos += 1
             yield self.pos - 1
         self.pos = 0
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.pos = sd["pos"]
 
 
 def test_load_state_into_persistent_workers_restarts_the_dataset() -> None:
@@ -364,7 +370,7 @@ def test_malformed_skipped_entries_are_refused(entry: object) -> None:
     assert loader.state_dict() == before
 
 
-class SeqSamplerWithState(torch.utils.data.Sampler[int]):
+class SeqSamplerWithState(PosState, torch.utils.data.Sampler[int]):
     """0..n-1 in order; its state is the position (a user sampler with state_dict)."""
 
     def __init__(self, n: int) -> None:
@@ -379,12 +385,6 @@ class SeqSamplerWithState(torch.utils.data.Sampler[int]):
             self.pos += 1
             yield self.pos - 1
         self.pos = 0
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.pos = sd["pos"]
 
 
 @pytest.mark.parametrize("indices", [None, [None], []])
