@@ -25,6 +25,7 @@ have yielded next.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import multiprocessing
@@ -44,6 +45,7 @@ from torch.utils.data import Dataset, Sampler
 from . import _state as S
 from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
+from ._lifecycle import Cursor, Life
 from ._pin import PinStage, current_device_index, pin_memory
 from ._reorder import ReorderBuffer
 from ._sampling import BUILTIN, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
@@ -163,18 +165,45 @@ def _resume_message(state: dict[Any, bytes], state_at: int, count: int) -> Any:
     return (state or None, True, state_at if state else 0, count)
 
 
+# KeyboardInterrupt and SystemExit (a SIGTERM handler calling sys.exit) are not errors of the
+# data: raised inside next(), they end the iterator (see _lifecycle), and the batch being
+# loaded is not counted as delivered.
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
+_INTERRUPTED = "interrupted inside next() (KeyboardInterrupt or SystemExit)"
+
+
+def _fresh(err: BaseException) -> BaseException:
+    """A copy of a stored error to raise, so the stored one never holds a traceback.
+
+    A traceback holds the iterator's frames, and the iterator holds the stored error: raising
+    the stored error itself would form a reference cycle, and the iterator (and whatever it
+    keeps alive) would wait for the garbage collector.
+    """
+    try:
+        copied = copy.copy(err)
+    except Exception:
+        return err
+    copied.__cause__ = err.__cause__
+    return copied
+
+
 class _BaseIter:
+    """What both iterators share: the lifecycle (see ``_lifecycle``) and the cursor."""
+
+    _cursor: Cursor
+    _finalizer: Any
+
     def __init__(self, loader: DataLoader[Any], epoch: int) -> None:
         self._loader = loader
         self.epoch = epoch
-        self.finished = False
-        self.closed = False
+        self._life = Life.OPEN
+        self._why = ""  # why it was abandoned, for the error a later next() raises
+        self._broken: BaseException | None = None
         self._plan: IndexPlan = loader._plan
         self._iterable = self._plan.kind == ITERABLE
         self._stateful_sampler = self._plan.kind == STATEFUL
         self._base: int = loader._ensure_seed()
         self._counters: Counters = loader._counters
-        self._superseded = False
 
     def __iter__(self) -> _BaseIter:
         return self
@@ -182,25 +211,114 @@ class _BaseIter:
     def __len__(self) -> int:
         return len(self._loader)
 
+    @property
+    def life(self) -> Life:
+        return self._life
+
+    @property
+    def finished(self) -> bool:
+        return self._life is Life.FINISHED
+
+    @property
+    def is_open(self) -> bool:
+        return self._life is Life.OPEN
+
     def _check_usable(self) -> None:
-        if self._superseded:
-            raise LoaderClosedError(
-                "this iterator was replaced by a newer iter(loader): with persistent_workers "
-                "one worker pool serves one iterator at a time"
-            )
-        if self.closed:
-            raise LoaderClosedError("this DataLoader iterator was closed")
+        life = self._life
+        if life is Life.OPEN:
+            return
+        if life is Life.BROKEN:
+            self._raise_broken()
+        if life is Life.FINISHED:
+            raise StopIteration  # an exhausted iterator keeps saying so, as torch's does
+        if life is Life.CLOSED:
+            raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
+        raise LoaderClosedError(
+            f"this DataLoader iterator was {self._why}. Its position is kept in "
+            "loader.state_dict(); to continue from it, call "
+            "loader.load_state_dict(loader.state_dict()) and then iter(loader)"
+        )
+
+    def _raise_broken(self) -> None:
+        assert self._broken is not None
+        err = _fresh(self._broken)
+        try:
+            raise err
+        finally:
+            del err
 
     def _deliver_skipped(self, payload: Any) -> None:
         tid, indices, message = payload
         self._counters.skipped.append([self.epoch, tid, indices])
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
-    def position(self) -> dict[str, Any]:
-        raise NotImplementedError
+    # ---- transitions out of OPEN (each final) ---------------------------------------------
+    def _finish(self) -> None:
+        self._cursor.finished = True
+        self._end(Life.FINISHED)
+
+    def _abandon(self, why: str) -> None:
+        """Left before its end: keep the position, release the workers."""
+        self._why = why
+        self._end(Life.ABANDONED)
 
     def close(self) -> None:
-        self.closed = True
+        """The loader was closed (loader.close())."""
+        self._end(Life.CLOSED)
+
+    def _end(self, life: Life) -> None:
+        if self._life is Life.OPEN:
+            self._life = life
+        self._finalizer()  # freezes the cursor, then releases what the iterator holds
+
+
+# ---- num_workers=0 ----------------------------------------------------------------------------
+class _SingleProgress:
+    """What a num_workers=0 iterator has delivered. Its cursor reads this, not the iterator."""
+
+    __slots__ = ("ahead", "consumed", "drawn", "exhausted", "fetcher", "k", "seed", "source", "tid")
+
+    def __init__(self, rp: S.ResumePoint | None) -> None:
+        # Ids > consumed already delivered (in_order=False), for the state.
+        self.ahead: set[int] = set(rp.ahead) if rp else set()
+        self.consumed = rp.consumed if rp else 0
+        self.drawn: dict[int, Any] = {}  # stateful samplers: drawn, not yet consumed
+        self.tid = 0  # the next task id to draw
+        self.source: Any = None
+        self.seed = 0  # the map task being fetched: what a retry re-seeds with
+        # Streams:
+        self.fetcher: Any = None
+        self.k = 0  # fetches delivered
+        self.exhausted = False
+
+
+def _single_position(
+    epoch: int, plan: IndexPlan, p: _SingleProgress, stateless: list[bool]
+) -> dict[str, Any]:
+    pos: dict[str, Any] = {
+        S.K_EPOCH: epoch,
+        S.K_CONSUMED: p.consumed,
+        S.K_AHEAD: sorted(p.ahead),
+    }
+    if plan.kind == STATEFUL:
+        pos[S.K_SAMPLER_STATE] = plan.sampler_state()
+        pos[S.K_DRAWN] = p.tid
+        pos[S.K_SAMPLER_DONE] = bool(getattr(p.source, "done", False))
+        pos[S.K_OUTSTANDING] = [[t, S.plain_indices(p.drawn[t])] for t in sorted(p.drawn)]
+    if plan.kind == ITERABLE:
+        holder = None if stateless[0] else p.fetcher.holder
+        state = copy.deepcopy(holder.state_dict()) if holder is not None else None
+        pos[S.K_WORKERS] = [
+            {
+                "id": 0,
+                "delivered": p.k,
+                "exhausted": p.exhausted or p.fetcher.ended,
+                "dataset_state": state,
+                "state_at": p.k if state is not None else 0,
+            }
+        ]
+        pos[S.K_NEXT_WORKER] = 0
+    return pos
 
 
 class _SingleProcessIter(_BaseIter):
@@ -210,15 +328,17 @@ class _SingleProcessIter(_BaseIter):
         super().__init__(loader, epoch)
         plan = self._plan
         self._pin = loader._pin_fn()
-        self._seed: int = 0  # the map task being fetched: what a retry re-seeds with
-        # Ids > consumed already delivered (for the state), and the ids to skip when drawn:
-        # two sets, because advancing ``consumed`` must not forget what is still to skip.
-        self._ahead = set(rp.ahead) if rp else set()
-        self._skip = set(self._ahead)
-        self._consumed = rp.consumed if rp else 0
+        p = self._p = _SingleProgress(rp)
+        # The ids to skip when drawn (delivered before the checkpoint, in_order=False): a set
+        # apart from ``ahead``, because advancing ``consumed`` must not forget what to skip.
+        self._skip = set(p.ahead)
         self._owed: list[tuple[int, Any]] = []
+        # Set when an interrupt cut a stream fetch short: the stream then stands past items
+        # never delivered, so its own state no longer matches the position, and a resume
+        # replays the delivered fetches instead (seeded, hence exact).
+        self._stateless = [False]
         if self._iterable:
-            self._fetcher: Any = StreamFetcher(
+            fetcher = StreamFetcher(
                 loader.dataset,
                 loader._auto_collation,
                 loader.collate_fn,
@@ -226,10 +346,11 @@ class _SingleProcessIter(_BaseIter):
                 loader.drop_last,
                 exact_retry=loader.retry is not None,
             )
+            self._fetcher: Any = fetcher
+            p.fetcher = fetcher
             # As in workers: a retry resumes the step that raised, with the RNGs of then.
-            self._run = make_retrier(
-                loader.retry, self._fetcher.before_retry, self._fetcher.can_retry
-            )
+            run = make_retrier(loader.retry, fetcher.before_retry, fetcher.can_retry)
+            self._run = run
             wp = rp.workers[0] if rp else S.WorkerPosition()
             resume: Any = None
             if wp.exhausted:
@@ -243,43 +364,52 @@ class _SingleProcessIter(_BaseIter):
 
             def replay(fn: Any, fetch_seed: int) -> Any:
                 seed_global_rngs(fetch_seed)
-                return self._run(fn)[0]
+                return run(fn)[0]
 
             with GlobalRngGuard():
-                self._fetcher.start(
-                    resume, lambda k: derive_seed(STREAM, base, epoch, 0, k), replay
-                )
-            self._k = wp.delivered
-            self._exhausted = wp.exhausted
-            self._tid = self._consumed
+                fetcher.start(resume, lambda k: derive_seed(STREAM, base, epoch, 0, k), replay)
+            p.k = wp.delivered
+            p.exhausted = wp.exhausted
+            p.tid = p.consumed
         else:
-            self._run = make_retrier(loader.retry, lambda: seed_global_rngs(self._seed))
+            # The retry re-seeds with the task being fetched: read from ``p``, not ``self``,
+            # so that the iterator forms no reference cycle with its own retrier.
+            self._run = make_retrier(loader.retry, lambda: seed_global_rngs(p.seed))
             self._fetcher = MapFetcher(loader.dataset, loader._auto_collation, loader.collate_fn)
             if self._stateful_sampler and rp is not None:
-                self._source = plan.epoch(
+                p.source = plan.epoch(
                     self._base, epoch, rp.drawn, rp.sampler_state, rp.sampler_done
                 )
                 self._owed = sorted(rp.outstanding)
-                self._tid = rp.drawn
+                p.tid = rp.drawn
             else:
-                self._source = plan.epoch(self._base, epoch, self._consumed)
-                self._tid = self._consumed
-            self._drawn: dict[int, Any] = dict(self._owed)
+                p.source = plan.epoch(self._base, epoch, p.consumed)
+                p.tid = p.consumed
+            p.drawn = dict(self._owed)
+        self._cursor = Cursor(
+            epoch, functools.partial(_single_position, epoch, plan, p, self._stateless)
+        )
+        self._finalizer = weakref.finalize(self, self._cursor.freeze)
 
     def _next_task(self) -> tuple[int, Any]:
         if self._owed:
             return self._owed.pop(0)
-        payload = next(self._source)  # StopIteration ends the epoch
-        tid = self._tid
-        self._tid += 1
+        p = self._p
+        payload = next(p.source)  # StopIteration ends the epoch
+        tid = p.tid
+        p.tid += 1
         return tid, payload
 
     def __next__(self) -> Any:
         self._check_usable()
-        if self.finished:
-            raise StopIteration
-        if self._iterable:
-            return self._next_stream()
+        try:
+            return self._next_stream() if self._iterable else self._next_map()
+        except _INTERRUPTS:
+            self._abandon(_INTERRUPTED)
+            raise
+
+    def _next_map(self) -> Any:
+        p = self._p
         while True:
             try:
                 tid, indices = self._next_task()
@@ -291,90 +421,116 @@ class _SingleProcessIter(_BaseIter):
                 continue
             break
         if self._stateful_sampler:
-            self._drawn[tid] = indices
-        self._seed = derive_seed(TASK, self._base, self.epoch, tid)
+            p.drawn[tid] = indices
+        p.seed = derive_seed(TASK, self._base, self.epoch, tid)
         try:
             with GlobalRngGuard():
-                seed_global_rngs(self._seed)
+                seed_global_rngs(p.seed)
                 data, retries = self._run(self._fetcher.fetch, indices)
-        finally:
-            # The batch is consumed whether it loaded or raised (as with torch).
-            self._consume(tid)
+        except BaseException as exc:
+            # A batch whose load raised is consumed, as with torch -- unless it was an
+            # interrupt: not delivered, so not consumed, and a resume loads it again.
+            if not isinstance(exc, _INTERRUPTS):
+                self._consume(tid)
+            raise
+        self._consume(tid)
         self._counters.retries += retries
         self._counters.batches += 1
         return self._pin(data) if self._pin else data
 
     def _consume(self, tid: int) -> None:
-        self._drawn.pop(tid, None) if not self._iterable else None
-        if tid == self._consumed:
-            self._consumed += 1
-            while self._consumed in self._ahead:
-                self._ahead.discard(self._consumed)
-                self._consumed += 1
+        p = self._p
+        p.drawn.pop(tid, None)
+        if tid == p.consumed:
+            p.consumed += 1
+            while p.consumed in p.ahead:
+                p.ahead.discard(p.consumed)
+                p.consumed += 1
         else:
-            self._ahead.add(tid)
+            p.ahead.add(tid)
 
     def _next_stream(self) -> Any:
-        if self._exhausted:
+        p = self._p
+        if p.exhausted:
             self._finish()
             raise StopIteration
-        seed = derive_seed(STREAM, self._base, self.epoch, 0, self._k)
+        seed = derive_seed(STREAM, self._base, self.epoch, 0, p.k)
         try:
             with GlobalRngGuard():
                 seed_global_rngs(seed)
                 data, retries = self._run(self._fetcher.fetch)
         except StreamEnd:
-            self._exhausted = True
+            p.exhausted = True
             self._finish()
             raise StopIteration from None
+        except _INTERRUPTS:
+            self._stateless[0] = True
+            raise
         except Exception:
             self._fetcher.fetch_failed()
-            self._k += 1
-            self._consumed += 1
+            p.k += 1
+            p.consumed += 1
             raise
-        self._k += 1
-        self._consumed += 1
+        p.k += 1
+        p.consumed += 1
         self._counters.retries += retries
         self._counters.batches += 1
         return self._pin(data) if self._pin else data
 
-    def _finish(self) -> None:
-        self.finished = True
 
-    def position(self) -> dict[str, Any]:
-        pos: dict[str, Any] = {
-            S.K_EPOCH: self.epoch,
-            S.K_CONSUMED: self._consumed,
-            S.K_AHEAD: sorted(self._ahead),
-        }
-        if self._stateful_sampler:
-            pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
-            pos[S.K_DRAWN] = self._tid
-            pos[S.K_SAMPLER_DONE] = bool(getattr(self._source, "done", False))
-            pos[S.K_OUTSTANDING] = [
-                [t, S.plain_indices(self._drawn[t])] for t in sorted(self._drawn)
-            ]
-        if self._iterable:
-            holder = self._fetcher.holder
-            state = copy.deepcopy(holder.state_dict()) if holder is not None else None
-            pos[S.K_WORKERS] = [
-                {
-                    "id": 0,
-                    "delivered": self._k,
-                    "exhausted": self._exhausted or self._fetcher.ended,
-                    "dataset_state": state,
-                    "state_at": self._k if state is not None else 0,
-                }
-            ]
-            pos[S.K_NEXT_WORKER] = 0
-        return pos
+# ---- num_workers>0 ----------------------------------------------------------------------------
+def _retire(cursor: Cursor, sup: Supervisor, owns_sup: bool, pin: PinStage | None) -> None:
+    """An iterator's end, from close() or its finalizer: the position first, then the rest.
+
+    Not a method: the finalizer must not keep the iterator alive.
+    """
+    try:
+        cursor.freeze()
+    finally:
+        if pin is not None:
+            if not owns_sup:
+                sup.unwatch_extra(pin.wake_fd)  # the persistent pool outlives this pin thread
+            pin.close()
+        if owns_sup:
+            sup.shutdown()
 
 
-def _shutdown(sup: Supervisor | None, pin: PinStage | None) -> None:
-    if pin is not None:
-        pin.close()
-    if sup is not None:
-        sup.shutdown()
+def _next_stream_worker(disp: Dispatcher, reorder: ReorderBuffer) -> int:
+    """The worker whose batch the caller gets next (round-robin continues from it)."""
+    best_tid, best_w = None, disp.cycle
+    for tid, task in disp.tasks.items():
+        if best_tid is None or tid < best_tid:
+            best_tid, best_w = tid, task.worker
+    for tid, item in reorder.items():
+        if (best_tid is None or tid < best_tid) and item[2] is not None:
+            best_tid, best_w = tid, item[2][0]
+    return best_w
+
+
+def _pipeline_position(
+    epoch: int,
+    plan: IndexPlan,
+    reorder: ReorderBuffer,
+    disp: Dispatcher,
+    drawn: dict[int, Any],
+    ledger: _StreamLedger | None,
+) -> dict[str, Any]:
+    """The position of a multi-process epoch, from the stages that know it."""
+    pos: dict[str, Any] = {
+        S.K_EPOCH: epoch,
+        S.K_CONSUMED: reorder.rcvd,
+        S.K_AHEAD: sorted(reorder.ahead),
+    }
+    if plan.kind == STATEFUL:
+        pos[S.K_SAMPLER_STATE] = plan.sampler_state()
+        pos[S.K_DRAWN] = disp.send_idx
+        pos[S.K_SAMPLER_DONE] = disp.source_done or bool(getattr(disp.source, "done", False))
+        pos[S.K_OUTSTANDING] = [[t, S.plain_indices(drawn[t])] for t in sorted(drawn)]
+    if ledger is not None:
+        pos[S.K_AHEAD] = []
+        pos[S.K_WORKERS] = ledger.export()
+        pos[S.K_NEXT_WORKER] = _next_stream_worker(disp, reorder)
+    return pos
 
 
 class _MultiProcessIter(_BaseIter):
@@ -389,19 +545,23 @@ class _MultiProcessIter(_BaseIter):
     ) -> None:
         super().__init__(loader, epoch)
         self._owns_sup = pool is None
-        self._broken: BaseException | None = None
         self._in_order = loader.in_order
         self._max_attempts = loader.max_task_attempts
         self._on_poison = loader.on_poison
         self._timeout = loader.timeout
         self._pin: PinStage | None = None
+        # An exception that arrived while a batch was being handed over (a Ctrl-C during the
+        # dispatch that refills the prefetch window): that batch is delivered, this is raised
+        # at the next call.
+        self._pending: BaseException | None = None
         sup = pool if pool is not None else loader._make_supervisor(epoch)
         self._sup = sup
-        self._finalizer = weakref.finalize(self, _shutdown, sup if self._owns_sup else None, None)
+        self._cursor = Cursor(epoch, dict)  # bound to the stages once they exist
+        self._finalizer = weakref.finalize(self, _retire, self._cursor, sup, self._owns_sup, None)
         try:
             self._setup(loader, rp)
         except BaseException:
-            self.close()
+            self._end(Life.ABANDONED)
             raise
 
     def _setup(self, loader: DataLoader[Any], rp: S.ResumePoint | None) -> None:
@@ -419,7 +579,7 @@ class _MultiProcessIter(_BaseIter):
             sup.watch_extra(self._pin.wake_fd, "pin")
             self._finalizer.detach()
             self._finalizer = weakref.finalize(
-                self, _shutdown, sup if self._owns_sup else None, self._pin
+                self, _retire, self._cursor, sup, self._owns_sup, self._pin
             )
         loader._pool_gen += 1
         gen = loader._pool_gen
@@ -446,7 +606,7 @@ class _MultiProcessIter(_BaseIter):
         pin = self._pin
 
         def backlog() -> int:
-            return len(reorder._buf) + (pin.in_flight if pin is not None else 0)
+            return len(reorder) + (pin.in_flight if pin is not None else 0)
 
         disp = Dispatcher(
             sup,
@@ -469,6 +629,11 @@ class _MultiProcessIter(_BaseIter):
                     if not reorder.seen(tid):
                         disp.add_owed(tid, indices)
                         self._drawn[tid] = indices
+        self._cursor.bind(
+            functools.partial(
+                _pipeline_position, self.epoch, self._plan, reorder, disp, self._drawn, self._ledger
+            )
+        )
         for slot in sup.slots:
             slot.outstanding.clear()
             slot.exhausted = False
@@ -496,11 +661,22 @@ class _MultiProcessIter(_BaseIter):
 
     # ---- the caller's side ---------------------------------------------------------------
     def __next__(self) -> Any:
-        if self.finished and not self._superseded:
-            raise StopIteration  # an exhausted iterator keeps saying so, as torch's does
         self._check_usable()
-        if self._broken is not None:
-            raise self._broken
+        try:
+            if self._pending is not None:
+                exc, self._pending = self._pending, None
+                try:
+                    raise exc
+                finally:
+                    del exc
+            return self._next_batch()
+        except _INTERRUPTS:
+            # Interrupted while results were being taken in: some may be half-handled, so
+            # this iterator cannot go on safely. What it delivered is exactly known.
+            self._abandon(_INTERRUPTED)
+            raise
+
+    def _next_batch(self) -> Any:
         reorder = self._reorder
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
@@ -508,8 +684,16 @@ class _MultiProcessIter(_BaseIter):
                 tid, item = reorder.pop()
                 # The released slot in the prefetch window goes back to work before the
                 # caller gets the batch, so workers never idle while the caller computes.
-                self._disp.fill()
-                out = self._deliver(tid, item)
+                try:
+                    self._disp.fill()
+                except BaseException as exc:
+                    self._pending = exc  # the batch is released: deliver it first
+                try:
+                    out = self._deliver(tid, item)
+                finally:
+                    # Not kept in this frame: an error raised from the item must not be
+                    # reachable from its own traceback (a cycle holding the iterator).
+                    item = None
                 if out is not _SKIP:
                     self._counters.batches += 1
                     return out
@@ -528,6 +712,7 @@ class _MultiProcessIter(_BaseIter):
 
     def _deliver(self, tid: int, item: Any) -> Any:
         status, payload, extra = item
+        item = None
         if self._stateful_sampler:
             self._drawn.pop(tid, None)
         if self._ledger is not None and extra is not None:
@@ -548,7 +733,11 @@ class _MultiProcessIter(_BaseIter):
         if status == SKIPPED:
             self._deliver_skipped(payload)
             return _SKIP
-        raise payload  # POISON
+        err, payload = payload, None  # POISON: raise it with no local left referring to it
+        try:
+            raise err
+        finally:
+            del err
 
     def _epoch_done(self) -> bool:
         disp = self._disp
@@ -556,24 +745,12 @@ class _MultiProcessIter(_BaseIter):
             return False
         if self._pin is not None and self._pin.in_flight:
             return False
-        if self._reorder._buf:
+        if len(self._reorder):
             raise AssertionError(
                 f"reorder buffer holds {self._reorder.buffered_ids()} but rcvd is "
                 f"{self._reorder.rcvd} and nothing is outstanding"
             )
         return True
-
-    def _finish(self) -> None:
-        self.finished = True
-        self.close()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._pin is not None:
-            self._sup.unwatch_extra(self._pin.wake_fd)
-        self._finalizer()
 
     # ---- the workers' side ---------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
@@ -720,49 +897,16 @@ class _MultiProcessIter(_BaseIter):
         if cause is not None:
             err.__cause__ = cause
         self._broken = err
-        self.close()
+        self._end(Life.BROKEN)
         if not self._owns_sup:
             self._loader._drop_pool()
-        raise err
+        self._raise_broken()
 
-    # ---- state ---------------------------------------------------------------------------
-    def position(self) -> dict[str, Any]:
-        reorder = self._reorder
-        pos: dict[str, Any] = {
-            S.K_EPOCH: self.epoch,
-            S.K_CONSUMED: reorder.rcvd,
-            S.K_AHEAD: sorted(reorder._ahead),
-        }
-        if self._stateful_sampler:
-            pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
-            pos[S.K_DRAWN] = self._disp.send_idx
-            pos[S.K_SAMPLER_DONE] = self._disp.source_done or bool(
-                getattr(self._disp.source, "done", False)
-            )
-            pos[S.K_OUTSTANDING] = [
-                [t, S.plain_indices(self._drawn[t])] for t in sorted(self._drawn)
-            ]
-        if self._ledger is not None:
-            pos[S.K_AHEAD] = []
-            pos[S.K_WORKERS] = self._ledger.export()
-            pos[S.K_NEXT_WORKER] = self._next_stream_worker()
-        return pos
-
-    def _next_stream_worker(self) -> int:
-        """The worker whose batch the caller gets next (round-robin continues from it)."""
-        best_tid, best_w = None, self._disp.cycle
-        for tid, task in self._disp.tasks.items():
-            if best_tid is None or tid < best_tid:
-                best_tid, best_w = tid, task.worker
-        for tid, item in self._reorder._buf.items():
-            if (best_tid is None or tid < best_tid) and item[2] is not None:
-                best_tid, best_w = tid, item[2][0]
-        return best_w
-
+    # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        self._reorder.check_invariants()
         r = self._reorder
-        self._disp.check_invariants(lambda t: t < r.rcvd or t in r._ahead)
+        r.check_invariants()
+        self._disp.check_invariants(lambda t: t < r.rcvd or t in r.ahead)
 
 
 class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
@@ -869,6 +1013,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._next_epoch = 0
         self._resume: S.ResumePoint | None = None
         self._active: Callable[[], _BaseIter | None] = lambda: None
+        # The position of the latest iterator; it outlives the iterator (see _lifecycle).
+        self._cursor: Cursor | None = None
         self._pool: Supervisor | None = None
         self._pool_finalizer: Any = None
         self._pool_gen = 0
@@ -882,27 +1028,35 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Any:
         if self._closed:
             raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
-        base = self._ensure_seed()
+        self._ensure_seed()
+        # torch's meaning of iter(): a new epoch, also after an abandoned one; a state given
+        # to load_state_dict() is continued instead.
         rp, self._resume = self._resume, None
         epoch = rp.epoch if rp is not None else self._next_epoch
-        self._next_epoch = epoch + 1
         old = self._active()
-        if old is not None and self.persistent_workers and not old.finished:
-            old._superseded = True
-            old.close()
-        del base
+        if old is not None and self.persistent_workers and old.is_open:
+            old._abandon(
+                "replaced by a newer iter(loader): with persistent_workers one worker "
+                "pool serves one iterator at a time"
+            )
         it: _BaseIter
-        if self.num_workers == 0:
-            it = _SingleProcessIter(self, epoch, rp)
-        elif self.persistent_workers:
-            if self._pool is None or self._pool.closed:
-                self._pool = self._make_supervisor(epoch)
-                self._pool.start_all()
-                self._pool_finalizer = weakref.finalize(self, self._pool.shutdown)
-            it = _MultiProcessIter(self, epoch, rp, self._pool)
-        else:
-            it = _MultiProcessIter(self, epoch, rp, None)
+        try:
+            if self.num_workers == 0:
+                it = _SingleProcessIter(self, epoch, rp)
+            elif self.persistent_workers:
+                if self._pool is None or self._pool.closed:
+                    self._pool = self._make_supervisor(epoch)
+                    self._pool.start_all()
+                    self._pool_finalizer = weakref.finalize(self, self._pool.shutdown)
+                it = _MultiProcessIter(self, epoch, rp, self._pool)
+            else:
+                it = _MultiProcessIter(self, epoch, rp, None)
+        except BaseException:
+            self._resume = rp  # nothing was delivered: the next iter() starts over from it
+            raise
+        self._next_epoch = epoch + 1
         self._active = weakref.ref(it)
+        self._cursor = it._cursor
         return it
 
     def _ensure_seed(self) -> int:
@@ -1022,11 +1176,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         that loader yield exactly the batches this one would have yielded next. Save it with
         ``torch.save`` (``weights_only=True`` loads it), json, or ``dump_state``.
         """
-        it = self._active()
-        if it is not None and not it.finished and not it._superseded:
-            pos = it.position()
-        elif self._resume is not None and self._resume.source is not None:
+        cursor = self._cursor
+        if self._resume is not None and self._resume.source is not None:
             return copy.deepcopy(self._resume.source)
+        if cursor is not None and not cursor.finished:
+            pos = cursor.position()
         else:
             pos = {S.K_EPOCH: self._next_epoch, S.K_CONSUMED: 0, S.K_AHEAD: []}
             if self._plan.kind == STATEFUL:
@@ -1073,8 +1227,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         rp.source = copy.deepcopy(state_dict)
         old = self._active()
         if old is not None:
-            old._superseded = True
-            old.close()
+            old._abandon("replaced by load_state_dict(): iterate the loader again to continue")
+        self._cursor = None
         if self._pool is not None:
             # Its workers carry datasets advanced by prefetching and seeds of the old state:
             # resume as a freshly built loader would.
@@ -1091,7 +1245,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         sups = []
         if self._pool is not None:
             sups.append(self._pool)
-        elif isinstance(it, _MultiProcessIter) and not it.closed:
+        elif isinstance(it, _MultiProcessIter) and it.is_open:
             sups.append(it._sup)
         for sup in sups:
             alive += sum(1 for s in sup.slots if s.alive)
@@ -1100,7 +1254,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def check_invariants(self) -> None:
         """Assert the pipeline's invariants (for tests): reorder buffer and task table."""
         it = self._active()
-        if isinstance(it, _MultiProcessIter) and not it.closed:
+        if isinstance(it, _MultiProcessIter) and it.is_open:
             it.check_invariants()
 
     # ---- teardown ------------------------------------------------------------------------

@@ -40,6 +40,10 @@ class ReorderBuffer:
         self.duplicates = 0
         self._advance()
 
+    def __len__(self) -> int:
+        """Results buffered, waiting for their turn."""
+        return len(self._buf)
+
     def seen(self, tid: int) -> bool:
         """Whether ``tid`` was already released or is waiting here."""
         return tid < self.rcvd or tid in self._ahead or tid in self._buf
@@ -85,6 +89,10 @@ class ReorderBuffer:
     def ahead(self) -> frozenset[int]:
         """Ids > rcvd already released (in_order=False)."""
         return frozenset(self._ahead)
+
+    def items(self) -> list[tuple[int, Any]]:
+        """The buffered (id, item) pairs, lowest id first."""
+        return sorted(self._buf.items(), key=lambda kv: kv[0])
 
     def buffered_ids(self) -> list[int]:
         return sorted(self._buf)
