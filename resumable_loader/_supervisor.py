@@ -301,7 +301,15 @@ class Supervisor:
                 name=f"resumable_loader-worker-{slot.wid}",
                 daemon=True,
             )
-            proc.start()
+            # Ctrl-C in a terminal signals the whole process group, workers too, and it is the
+            # main process's to handle. A worker ignores SIGINT once it runs our code; blocked
+            # until then (the mask survives fork and exec), a Ctrl-C during its start cannot
+            # kill it with a traceback, and is discarded when the worker ignores it.
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # The child has its copies now; ours would keep the pipes open after it dies.
         task_r.close()
         result_w.close()

@@ -474,6 +474,7 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
             pass
     # Ctrl-C is the main process's to handle; a worker dying of it would look like a crash.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent to start
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         torch._C._set_worker_signal_handlers()  # prints a clear message on SIGSEGV/SIGBUS
