@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _datasets import collect_torch_reference_garbage
 from torch.utils.data import IterableDataset, get_worker_info
 
 from resumable_loader import CheckpointError, DataLoader, RetryPolicy, WorkerCrashError
@@ -608,10 +609,11 @@ def test_a_generator_stream_is_not_retried_into_a_silent_end(num_workers: int) -
     kw: dict = {"batch_size": 2, "num_workers": num_workers}
     if num_workers:
         kw["multiprocessing_context"] = "fork"
+    expected = _drain_with_errors(torch.utils.data.DataLoader(GeneratorStream(), **kw))
+    collect_torch_reference_garbage()
     ours = DataLoader(GeneratorStream(), retry=RetryPolicy(attempts=3, backoff_s=0.0), **kw)
     with ours:
         got = _drain_with_errors(ours)
-    expected = _drain_with_errors(torch.utils.data.DataLoader(GeneratorStream(), **kw))
     assert got == expected == [[0, 1], "OSError"]
 
 
