@@ -24,7 +24,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from ._supervisor import READY_STATE, STARTING, Supervisor, WorkerSlot
-from ._worker import TASK_MSG
+from ._worker import EPOCH, TASK_MSG
+
+
+def resume_message(state: dict[Any, bytes], state_at: int, count: int) -> Any:
+    """EPOCH's resume for a stream worker: load ``state`` (taken after ``state_at`` fetches),
+    then replay the fetches up to ``count`` without sending them."""
+    if not state and not count:
+        return None
+    return (state or None, True, state_at if state else 0, count)
 
 
 class Task:
@@ -62,6 +70,8 @@ class Dispatcher:
         self.resend: list[int] = []  # map tids owed a worker, lowest first
         self.cycle = next_worker  # stream: the slot that gets the next new task
         self.gen = 0  # epoch generation stamped on messages
+        self.epoch = 0  # the epoch, and the base seed, every EPOCH message carries
+        self.base_seed = 0
         self.record: dict[int, Any] | None = None  # stateful samplers: tid -> indices drawn
 
     # ---- assignment ----------------------------------------------------------------------
@@ -144,6 +154,17 @@ class Dispatcher:
             self.tasks[tid] = task
             self._send(slot, task)
             self.cycle = (slot.wid + 1) % n
+
+    def send_epoch(self, slot: WorkerSlot) -> None:
+        """Tell a (new or respawned) worker which epoch it serves, and for a stream, where its
+        shard stands: the state it last delivered, and the fetches to replay after it."""
+        resume = None
+        if self.iterable and not slot.exhausted:
+            # An exhausted worker gets no task this epoch; restoring its end-of-stream state
+            # would leave a persistent worker's dataset there for the next epoch, where the
+            # uninterrupted run's dataset ran its iterator to the end.
+            resume = resume_message(slot.recv_state, slot.recv_at, slot.recv_count)
+        self.sup.send(slot, (EPOCH, self.gen, self.epoch, self.base_seed, resume))
 
     # ---- results and deaths --------------------------------------------------------------
     def on_result(self, slot: WorkerSlot, tid: int) -> Task | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import logging
 import multiprocessing
 import pickle
 import threading
@@ -44,9 +43,10 @@ from torch.utils.data import Dataset, Sampler
 
 from . import _state as S
 from ._dispatch import Dispatcher
-from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
+from ._errors import CheckpointError, LoaderClosedError
 from ._lifecycle import Cursor, Life
 from ._pin import PinStage, current_device_index, pin_memory
+from ._recovery import POISON, SKIPPED, Recovery
 from ._reorder import ReorderBuffer
 from ._sampling import BUILTIN, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
@@ -59,10 +59,9 @@ from ._seeding import (
     seed_global_rngs,
 )
 from ._stats import Counters, LoaderStatistics
-from ._supervisor import Supervisor, WorkerSlot
+from ._supervisor import DeathReport, Supervisor, WorkerSlot
 from ._worker import (
     END,
-    EPOCH,
     ERROR,
     OK,
     MapFetcher,
@@ -74,15 +73,9 @@ from ._worker import (
     merge_state,
 )
 
-log = logging.getLogger("resumable_loader")
-
 T_co = TypeVar("T_co", covariant=True)
 
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
-
-# Statuses beyond the worker's OK / ERROR / END, made by the main process.
-POISON = 3  # payload: the WorkerCrashError to raise at this task's position
-SKIPPED = 4  # payload: (tid, indices, message); the task is skipped (on_poison="skip")
 
 _SKIP = object()
 
@@ -155,14 +148,6 @@ class _StreamLedger:
             }
             for w in range(len(self.delivered))
         ]
-
-
-def _resume_message(state: dict[Any, bytes], state_at: int, count: int) -> Any:
-    """EPOCH's resume for a stream worker: load ``state`` (taken after ``state_at`` fetches),
-    then replay the fetches up to ``count`` without sending them."""
-    if not state and not count:
-        return None
-    return (state or None, True, state_at if state else 0, count)
 
 
 # KeyboardInterrupt and SystemExit (a SIGTERM handler calling sys.exit) are not errors of the
@@ -546,8 +531,6 @@ class _MultiProcessIter(_BaseIter):
         super().__init__(loader, epoch)
         self._owns_sup = pool is None
         self._in_order = loader.in_order
-        self._max_attempts = loader.max_task_attempts
-        self._on_poison = loader.on_poison
         self._timeout = loader.timeout
         self._pin: PinStage | None = None
         # An exception that arrived while a batch was being handed over (a Ctrl-C during the
@@ -619,7 +602,19 @@ class _MultiProcessIter(_BaseIter):
             next_worker,
         )
         disp.gen = gen
+        disp.epoch = self.epoch
+        disp.base_seed = self._base
         self._disp = disp
+        self._recovery = Recovery(
+            sup,
+            disp,
+            iterable=self._iterable,
+            epoch=self.epoch,
+            max_attempts=loader.max_task_attempts,
+            on_poison=loader.on_poison,
+            counters=self._counters,
+            start_method=sup.ctx.get_start_method(),
+        )
         self._drawn: dict[int, Any] = {}
         if self._stateful_sampler:
             disp.record = self._drawn
@@ -647,17 +642,8 @@ class _MultiProcessIter(_BaseIter):
                 slot.recv_at = self._ledger.state_at[w]
                 if not slot.recv_state and slot.recv_count and not slot.exhausted:
                     loader._warn_fast_forward(slot.recv_count)
-            self._send_epoch(slot)
+            disp.send_epoch(slot)
         disp.fill()
-
-    def _send_epoch(self, slot: WorkerSlot) -> None:
-        resume = None
-        if self._iterable and not slot.exhausted:
-            # An exhausted worker gets no task this epoch; restoring its end-of-stream state
-            # would leave a persistent worker's dataset there for the next epoch, where the
-            # uninterrupted run's dataset ran its iterator to the end.
-            resume = _resume_message(slot.recv_state, slot.recv_at, slot.recv_count)
-        self._sup.send(slot, (EPOCH, self._disp.gen, self.epoch, self._base, resume))
 
     # ---- the caller's side ---------------------------------------------------------------
     def __next__(self) -> Any:
@@ -790,112 +776,15 @@ class _MultiProcessIter(_BaseIter):
         elif not self._reorder.put(tid, item):
             self._counters.duplicates_dropped += 1
 
-    def _describe(self, task: Any) -> str:
-        if self._iterable:
-            return f"stream batch {task.payload} of worker {task.worker} (task {task.tid})"
-        return f"samples {task.payload} (task {task.tid})"
+    def _on_dead(self, slot: WorkerSlot, report: DeathReport) -> None:
+        outcome = self._recovery.on_death(slot, report)
+        for tid, item in outcome.deliver:
+            if not self._reorder.put(tid, item):
+                self._counters.duplicates_dropped += 1
+        if outcome.fatal is not None:
+            self._break(outcome.fatal)
 
-    def _on_dead(self, slot: WorkerSlot, info: Any) -> None:
-        pid, _exitcode, cause, key, was_ready = info
-        sup = self._sup
-        disp = self._disp
-        blamed, tids = disp.on_death(slot)
-        if not was_ready:
-            # It never ran a task: its start failed, and no task is to blame.
-            slot.start_failures += 1
-            what = f" while starting (holding {self._describe(blamed)})" if blamed else ""
-            blamed = None
-        else:
-            what = f" while loading {self._describe(blamed)}" if blamed is not None else ""
-        line = f"worker {slot.wid} (pid {pid}) {cause}{what}"
-        log.warning("DataLoader %s", line)
-        if blamed is not None:
-            blamed.failures.append(line)
-            if len(blamed.failures) >= self._max_attempts:
-                self._poison(slot, blamed)
-        if slot.start_failures >= self._max_attempts:
-            if key == "hang":
-                advice = "; if worker_init_fn is merely slow, raise task_timeout above its run time"
-            elif slot.init_error is None and self._sup.ctx.get_start_method() != "fork":
-                advice = (
-                    "; under spawn/forkserver a worker re-imports the main module, so guard the "
-                    "script's top level with `if __name__ == '__main__':`"
-                )
-            else:
-                advice = ""
-            err = WorkerCrashError(
-                f"DataLoader worker {slot.wid} failed to start {slot.start_failures} times in a "
-                f"row (last: pid {pid} {cause}). Fix worker_init_fn or the worker environment"
-                f"{advice}. The loader's state_dict() still describes what was consumed.",
-                attempts=(line,),
-            )
-            cause_exc = slot.init_error.exception() if slot.init_error is not None else None
-            self._break(err, cause_exc)
-        try:
-            sup.respawn(slot)
-        except WorkerCrashError as err:
-            self._break(err, None)
-        self._counters.respawns_by_cause[key] += 1
-        self._send_epoch(slot)
-        if self._iterable:
-            if slot.exhausted:
-                # Its shard ran dry in a batch already received: what it still held can only
-                # be ENDs. Resolve them here; a replacement would read the shard again.
-                for tid in sorted(slot.outstanding):
-                    disp.drop(tid)
-                    if not self._reorder.put(tid, (END, None, (slot.wid, None, True))):
-                        self._counters.duplicates_dropped += 1
-            else:
-                disp.resend_stream(slot)
-        live = [t for t in tids if t in disp.tasks]
-        self._counters.resent_tasks += len(live)
-        if live:
-            samples = [disp.tasks[t].payload for t in live]
-            log.info(
-                "DataLoader worker %d: pid %d -> %d (%s); re-sending tasks %s (%s %s)",
-                slot.wid,
-                pid,
-                slot.pid,
-                key,
-                live,
-                "fetches" if self._iterable else "samples",
-                samples,
-            )
-        else:
-            log.info("DataLoader worker %d: pid %d -> %d (%s)", slot.wid, pid, slot.pid, key)
-
-    def _poison(self, slot: WorkerSlot, task: Any) -> None:
-        attempts = tuple(task.failures)
-        indices = task.payload
-        message = (
-            f"DataLoader gave up on {self._describe(task)} of epoch {self.epoch}: it killed the "
-            f"worker {len(attempts)} times (max_task_attempts={self._max_attempts}):\n  "
-            + "\n  ".join(attempts)
-            + "\nThe sample probably crashes its decoder or exhausts memory: remove or repair it, "
-            "or build the loader with on_poison='skip' to skip such tasks."
-        )
-        disp = self._disp
-        disp.drop(task.tid)
-        extra = (slot.wid, None, True) if self._iterable else None
-        if self._iterable:
-            # The worker's stream cannot get past this batch: its shard ends here this epoch.
-            slot.exhausted = True
-            for tid in list(slot.outstanding):
-                disp.drop(tid)
-                self._reorder.put(tid, (END, None, extra))
-        if self._on_poison == "skip":
-            item: Any = (SKIPPED, (task.tid, indices, message + " (skipped)"), extra)
-        else:
-            item = (
-                POISON,
-                WorkerCrashError(message, task_id=task.tid, indices=indices, attempts=attempts),
-                extra,
-            )
-        self._reorder.put(task.tid, item)
-
-    def _break(self, err: BaseException, cause: BaseException | None) -> None:
-        if cause is not None:
-            err.__cause__ = cause
+    def _break(self, err: BaseException) -> None:
         self._broken = err
         self._end(Life.BROKEN)
         if not self._owns_sup:

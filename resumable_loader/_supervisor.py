@@ -37,7 +37,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
 from ._transport import Receiver
@@ -182,6 +182,16 @@ def remove_orphaned_shm(pid: int) -> int:
     if removed:
         log.debug("removed %d orphaned shared-memory segments of dead worker pid %d", removed, pid)
     return removed
+
+
+class DeathReport(NamedTuple):
+    """A worker's death (or a hang it was killed for), as the supervisor saw it."""
+
+    pid: int
+    exitcode: int | None
+    cause: str  # "was killed by SIGKILL", "hung (no result for 5 s: task_timeout)", ...
+    key: str  # the cause's category, for statistics().respawns_by_cause
+    was_ready: bool  # it had started (run worker_init_fn); a death before is a failed start
 
 
 class WorkerSlot:
@@ -398,8 +408,11 @@ class Supervisor:
     def poll(self, timeout_s: float | None) -> list[tuple[str, Any, Any]]:
         """Wait up to ``timeout_s`` for messages and deaths.
 
-        Returns a list of events: ("msg", slot, message), ("dead", slot, (exitcode, cause)),
-        ("extra", fd_name, None).
+        Returns a list of events, each a (kind, slot or name, data) triple:
+            ("msg", slot, RESULT message)   a task's result, in the order received
+            ("ready", slot, None)           the slot's worker finished starting
+            ("dead", slot, DeathReport)     it died or hung (it was killed); now DEAD
+            ("extra", fd name, None)        a watched extra fd (the pin thread) is readable
         """
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000 + 0.999))
         try:
@@ -455,7 +468,7 @@ class Supervisor:
                 cause, key = f"{why}; then {describe_exit(exitcode)}", "recv_error"
             else:
                 cause, key = describe_exit(exitcode), exit_cause(exitcode)
-            events.append(("dead", slot, (pid, exitcode, cause, key, was_ready)))
+            events.append(("dead", slot, DeathReport(pid, exitcode, cause, key, was_ready)))
         return events
 
     def _read(

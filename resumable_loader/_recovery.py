@@ -1,0 +1,201 @@
+"""What a worker's death means for the epoch: blame, attempts, poison or skip, respawn, re-send.
+
+The supervisor notices a death (or a hang it killed) and reports it; ``Recovery.on_death``
+decides what follows and carries it out on the supervisor and the dispatcher:
+
+    death report ──► blame: the task the worker was running (none if it never got ready)
+                 ──► attempts: that task's failures += 1; at max_task_attempts it is poison:
+                       on_poison="raise": a WorkerCrashError at its position in the stream
+                       on_poison="skip":  a skipped task, with a warning
+                       (a stream's shard cannot get past it: that worker's stream ends here)
+                 ──► start failures: at max_task_attempts in a row, the epoch is broken
+                 ──► respawn the same worker id (a respawn storm is fatal), send it the epoch,
+                     re-send its tasks (map-style tasks go to any ready worker at once)
+
+The iterator only sees the ``Outcome``: items to put into the reorder buffer at their task's
+position (errors, skips, stream ends) or a fatal error to break with.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._dispatch import Dispatcher, Task
+from ._errors import WorkerCrashError
+from ._stats import Counters
+from ._supervisor import DeathReport, WorkerSlot
+from ._worker import END
+
+log = logging.getLogger("resumable_loader")
+
+# Statuses beyond the worker's OK / ERROR / END, made by the main process.
+POISON = 3  # payload: the WorkerCrashError to raise at this task's position
+SKIPPED = 4  # payload: (tid, indices, message); the task is skipped (on_poison="skip")
+
+
+@dataclass
+class Outcome:
+    """What the iterator must do after a death.
+
+    Attributes:
+        deliver: (task id, reorder item) pairs to release at those positions.
+        fatal: the epoch cannot go on: raise this (its ``__cause__`` set), or None.
+    """
+
+    deliver: list[tuple[int, Any]] = field(default_factory=list)
+    fatal: WorkerCrashError | None = None
+
+
+def describe(task: Task, iterable: bool) -> str:
+    if iterable:
+        return f"stream batch {task.payload} of worker {task.worker} (task {task.tid})"
+    return f"samples {task.payload} (task {task.tid})"
+
+
+class Recovery:
+    """Turns death reports into decisions for one epoch's pipeline.
+
+    Args:
+        sup: the supervisor (``respawn``, ``ctx``).
+        disp: the dispatcher (the task table, ``send_epoch``, re-sending).
+        iterable: streams (tasks belong to one worker's shard) or map-style.
+        epoch: for messages.
+        max_attempts: deaths a task may cause before it is poison; failed starts in a row a
+            worker slot may have before the epoch is broken.
+        on_poison: "raise" or "skip".
+        counters: the loader's statistics counters.
+        start_method: the multiprocessing start method (for advice in errors).
+    """
+
+    def __init__(
+        self,
+        sup: Any,
+        disp: Dispatcher,
+        *,
+        iterable: bool,
+        epoch: int,
+        max_attempts: int,
+        on_poison: str,
+        counters: Counters,
+        start_method: str,
+    ) -> None:
+        self.sup = sup
+        self.disp = disp
+        self.iterable = iterable
+        self.epoch = epoch
+        self.max_attempts = max_attempts
+        self.on_poison = on_poison
+        self.counters = counters
+        self.start_method = start_method
+
+    def on_death(self, slot: WorkerSlot, report: DeathReport) -> Outcome:
+        out = Outcome()
+        blamed, tids = self.disp.on_death(slot)
+        if not report.was_ready:
+            # It never ran a task: its start failed, and no task is to blame.
+            slot.start_failures += 1
+            where = f" while starting (holding {describe(blamed, self.iterable)})" if blamed else ""
+            blamed = None
+        else:
+            where = f" while loading {describe(blamed, self.iterable)}" if blamed else ""
+        line = f"worker {slot.wid} (pid {report.pid}) {report.cause}{where}"
+        log.warning("DataLoader %s", line)
+        if blamed is not None:
+            blamed.failures.append(line)
+            if len(blamed.failures) >= self.max_attempts:
+                self._poison(slot, blamed, out)
+        if slot.start_failures >= self.max_attempts:
+            out.fatal = self._failed_start(slot, report, line)
+            return out
+        try:
+            self.sup.respawn(slot)
+        except WorkerCrashError as storm:
+            out.fatal = storm
+            return out
+        self.counters.respawns_by_cause[report.key] += 1
+        self.disp.send_epoch(slot)
+        if self.iterable:
+            if slot.exhausted:
+                # Its shard ran dry in a batch already received: what it still held can only
+                # be ENDs. Resolve them here; a replacement would read the shard again.
+                for tid in sorted(slot.outstanding):
+                    self.disp.drop(tid)
+                    out.deliver.append((tid, (END, None, (slot.wid, None, True))))
+            else:
+                self.disp.resend_stream(slot)
+        self._log_resent(slot, report, [t for t in tids if t in self.disp.tasks])
+        return out
+
+    def _failed_start(self, slot: WorkerSlot, report: DeathReport, line: str) -> WorkerCrashError:
+        if report.key == "hang":
+            advice = "; if worker_init_fn is merely slow, raise task_timeout above its run time"
+        elif slot.init_error is None and self.start_method != "fork":
+            advice = (
+                "; under spawn/forkserver a worker re-imports the main module, so guard the "
+                "script's top level with `if __name__ == '__main__':`"
+            )
+        else:
+            advice = ""
+        err = WorkerCrashError(
+            f"DataLoader worker {slot.wid} failed to start {slot.start_failures} times in a "
+            f"row (last: pid {report.pid} {report.cause}). Fix worker_init_fn or the worker "
+            f"environment{advice}. The loader's state_dict() still describes what was consumed.",
+            attempts=(line,),
+        )
+        if slot.init_error is not None:
+            err.__cause__ = slot.init_error.exception()
+        return err
+
+    def _poison(self, slot: WorkerSlot, task: Task, out: Outcome) -> None:
+        attempts = tuple(task.failures)
+        indices = task.payload
+        message = (
+            f"DataLoader gave up on {describe(task, self.iterable)} of epoch {self.epoch}: it "
+            f"killed the worker {len(attempts)} times (max_task_attempts={self.max_attempts}):"
+            "\n  "
+            + "\n  ".join(attempts)
+            + "\nThe sample probably crashes its decoder or exhausts memory: remove or repair it, "
+            "or build the loader with on_poison='skip' to skip such tasks."
+        )
+        self.disp.drop(task.tid)
+        extra = (slot.wid, None, True) if self.iterable else None
+        if self.iterable:
+            # The worker's stream cannot get past this batch: its shard ends here this epoch.
+            slot.exhausted = True
+            for tid in list(slot.outstanding):
+                self.disp.drop(tid)
+                out.deliver.append((tid, (END, None, extra)))
+        item: Any
+        if self.on_poison == "skip":
+            item = (SKIPPED, (task.tid, indices, message + " (skipped)"), extra)
+        else:
+            err = WorkerCrashError(message, task_id=task.tid, indices=indices, attempts=attempts)
+            item = (POISON, err, extra)
+        out.deliver.append((task.tid, item))
+
+    def _log_resent(self, slot: WorkerSlot, report: DeathReport, live: list[int]) -> None:
+        self.counters.resent_tasks += len(live)
+        if not live:
+            log.info(
+                "DataLoader worker %d: pid %d -> %d (%s)",
+                slot.wid,
+                report.pid,
+                slot.pid,
+                report.key,
+            )
+            return
+        log.info(
+            "DataLoader worker %d: pid %d -> %d (%s); re-sending tasks %s (%s %s)",
+            slot.wid,
+            report.pid,
+            slot.pid,
+            report.key,
+            live,
+            "fetches" if self.iterable else "samples",
+            [self.disp.tasks[t].payload for t in live],
+        )
+
+
+__all__ = ["POISON", "SKIPPED", "Outcome", "Recovery", "describe"]
