@@ -55,7 +55,8 @@ def train(workdir: str) -> None:
     if os.path.exists(ckpt_path):
         ckpt = torch.load(ckpt_path, weights_only=True)
         loader.load_state_dict(ckpt["loader"])
-        step, start_epoch = ckpt["step"], ckpt["epoch"]
+        # The epoch the loader continues: after the last batch of an epoch, the next one.
+        step, start_epoch = ckpt["step"], ckpt["loader"]["epoch"]
     epoch = start_epoch  # the epoch to train next: advanced only when one runs to its end
     with open(os.path.join(workdir, "batches.log"), "a") as log:
         while epoch < EPOCHS and not preempted.is_set():
@@ -69,7 +70,7 @@ def train(workdir: str) -> None:
             else:
                 epoch += 1
     # Saved after leaving the loop: the loader still knows where the epoch stood.
-    ckpt = {"loader": loader.state_dict(), "step": step, "epoch": epoch}
+    ckpt = {"loader": loader.state_dict(), "step": step}
     torch.save(ckpt, ckpt_path + ".tmp")
     os.replace(ckpt_path + ".tmp", ckpt_path)
     loader.close()

@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from resumable_loader.__main__ import KNOWN_KEYS, _jsonable, format_summary
-from resumable_loader._checkpoint import INT_MAX, INT_MIN, MAGIC, _frame, dump_state, load_state
+from resumable_loader._codec import INT_MAX, INT_MIN, MAGIC, _frame, dump_state, load_state
 from resumable_loader._errors import CheckpointError
 from resumable_loader.testing import same_state
 

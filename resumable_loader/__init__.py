@@ -5,7 +5,7 @@ Save ``loader.state_dict()`` next to the model; after a preemption build the loa
 have produced. Workers that die or hang are replaced and their tasks re-sent.
 """
 
-from ._checkpoint import dump_state, load_state
+from ._codec import dump_state, load_state
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
 from ._loader import DataLoader, RetryPolicy
 from ._stats import LoaderStatistics

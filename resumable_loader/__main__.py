@@ -18,28 +18,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._checkpoint import MAGIC, _encoded_size, load_state
+from resumable_loader._codec import MAGIC, _encoded_size, load_state
 from resumable_loader._errors import CheckpointError
+from resumable_loader._schema import FORMAT, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
 
-# The value of the "format" key in a state written by resumable_loader.DataLoader.state_dict().
-STATE_FORMAT = "resumable_loader.DataLoader"
-
-# Top-level keys of the state schema, in the order the summary shows them.
-KNOWN_KEYS = (
-    "format",
-    "version",
-    "config",
-    "seed",
-    "epoch",
-    "consumed",
-    "delivered_ahead",
-    "outstanding",
-    "sampler_state",
-    "workers",
-    "next_worker",
-    "skipped",
-)
+# What a state written by DataLoader.state_dict() holds: the schema's own constants, not copies.
+STATE_FORMAT = FORMAT
 
 # How much of a long list the summary shows: enough to recognise a task, short enough to read.
 SHOW_TASKS = 5

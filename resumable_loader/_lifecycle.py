@@ -45,21 +45,22 @@ class Cursor:
 
     Args:
         epoch: the epoch the iterator delivers.
-        read: ``() -> dict``, the live position; it must not reference the iterator (only the
-            stages it reads), so that the iterator can be freed by reference counting.
+        read: ``() -> ResumePoint``, the live position. It must not reference the iterator
+            (only the stages it reads), so that the iterator can be freed by reference
+            counting.
 
     Invariant: exactly one of ``_read`` and ``_frozen`` is set.
     """
 
     __slots__ = ("_frozen", "_read", "epoch", "finished")
 
-    def __init__(self, epoch: int, read: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, epoch: int, read: Callable[[], Any]) -> None:
         self.epoch = epoch
         self.finished = False  # the iterator raised StopIteration
-        self._read: Callable[[], dict[str, Any]] | None = read
-        self._frozen: dict[str, Any] | None = None
+        self._read: Callable[[], Any] | None = read
+        self._frozen: Any = None
 
-    def bind(self, read: Callable[[], dict[str, Any]]) -> None:
+    def bind(self, read: Callable[[], Any]) -> None:
         """Read the position from other stages from now on (they were built after the cursor)."""
         if self._read is not None:
             self._read = read
@@ -68,7 +69,7 @@ class Cursor:
     def frozen(self) -> bool:
         return self._read is None
 
-    def position(self) -> dict[str, Any]:
+    def position(self) -> Any:
         """The position now: live while the iterator runs, a copy of the frozen one after."""
         if self._read is not None:
             return self._read()

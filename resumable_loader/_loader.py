@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
-from . import _state as S
+from . import _schema as S
 from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError
 from ._lifecycle import Cursor, Life
@@ -137,15 +137,14 @@ class _StreamLedger:
                 if wp.dataset_state is not None:
                     self.state[w] = _encode_plain(wp.dataset_state)
 
-    def export(self) -> list[dict[str, Any]]:
+    def export(self) -> list[S.WorkerPosition]:
         return [
-            {
-                "id": w,
-                "delivered": self.delivered[w],
-                "exhausted": self.exhausted[w],
-                "dataset_state": decode_state(self.state[w]) if self.state[w] else None,
-                "state_at": self.state_at[w],
-            }
+            S.WorkerPosition(
+                self.delivered[w],
+                self.exhausted[w],
+                decode_state(self.state[w]) if self.state[w] else None,
+                self.state_at[w] if self.state[w] else 0,
+            )
             for w in range(len(self.delivered))
         ]
 
@@ -279,31 +278,26 @@ class _SingleProgress:
 
 def _single_position(
     epoch: int, plan: IndexPlan, p: _SingleProgress, stateless: list[bool]
-) -> dict[str, Any]:
-    pos: dict[str, Any] = {
-        S.K_EPOCH: epoch,
-        S.K_CONSUMED: p.consumed,
-        S.K_AHEAD: sorted(p.ahead),
-    }
-    if plan.kind == STATEFUL:
-        pos[S.K_SAMPLER_STATE] = plan.sampler_state()
-        pos[S.K_DRAWN] = p.tid
-        pos[S.K_SAMPLER_DONE] = bool(getattr(p.source, "done", False))
-        pos[S.K_OUTSTANDING] = [[t, S.plain_indices(p.drawn[t])] for t in sorted(p.drawn)]
-    if plan.kind == ITERABLE:
+) -> S.ResumePoint:
+    rp = S.ResumePoint(
+        seed=0,  # the loader's, filled in by state_dict()
+        epoch=epoch,
+        consumed=p.consumed,
+        ahead=frozenset(p.ahead),
+        stateful=plan.kind == STATEFUL,
+        iterable=plan.kind == ITERABLE,
+    )
+    if rp.stateful:
+        rp.sampler_state = plan.sampler_state()
+        rp.drawn = p.tid
+        rp.sampler_done = bool(getattr(p.source, "done", False))
+        rp.outstanding = sorted(p.drawn.items())
+    if rp.iterable:
         holder = None if stateless[0] else p.fetcher.holder
         state = copy.deepcopy(holder.state_dict()) if holder is not None else None
-        pos[S.K_WORKERS] = [
-            {
-                "id": 0,
-                "delivered": p.k,
-                "exhausted": p.exhausted or p.fetcher.ended,
-                "dataset_state": state,
-                "state_at": p.k if state is not None else 0,
-            }
-        ]
-        pos[S.K_NEXT_WORKER] = 0
-    return pos
+        exhausted = p.exhausted or p.fetcher.ended
+        rp.workers = [S.WorkerPosition(p.k, exhausted, state, p.k if state is not None else 0)]
+    return rp
 
 
 class _SingleProcessIter(_BaseIter):
@@ -499,23 +493,26 @@ def _pipeline_position(
     disp: Dispatcher,
     drawn: dict[int, Any],
     ledger: _StreamLedger | None,
-) -> dict[str, Any]:
+) -> S.ResumePoint:
     """The position of a multi-process epoch, from the stages that know it."""
-    pos: dict[str, Any] = {
-        S.K_EPOCH: epoch,
-        S.K_CONSUMED: reorder.rcvd,
-        S.K_AHEAD: sorted(reorder.ahead),
-    }
-    if plan.kind == STATEFUL:
-        pos[S.K_SAMPLER_STATE] = plan.sampler_state()
-        pos[S.K_DRAWN] = disp.send_idx
-        pos[S.K_SAMPLER_DONE] = disp.source_done or bool(getattr(disp.source, "done", False))
-        pos[S.K_OUTSTANDING] = [[t, S.plain_indices(drawn[t])] for t in sorted(drawn)]
+    rp = S.ResumePoint(
+        seed=0,  # the loader's, filled in by state_dict()
+        epoch=epoch,
+        consumed=reorder.rcvd,
+        ahead=reorder.ahead,
+        stateful=plan.kind == STATEFUL,
+        iterable=ledger is not None,
+    )
+    if rp.stateful:
+        rp.sampler_state = plan.sampler_state()
+        rp.drawn = disp.send_idx
+        rp.sampler_done = disp.source_done or bool(getattr(disp.source, "done", False))
+        rp.outstanding = sorted(drawn.items())
     if ledger is not None:
-        pos[S.K_AHEAD] = []
-        pos[S.K_WORKERS] = ledger.export()
-        pos[S.K_NEXT_WORKER] = _next_stream_worker(disp, reorder)
-    return pos
+        rp.ahead = frozenset()
+        rp.workers = ledger.export()
+        rp.next_worker = _next_stream_worker(disp, reorder)
+    return rp
 
 
 class _MultiProcessIter(_BaseIter):
@@ -1069,29 +1066,47 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if self._resume is not None and self._resume.source is not None:
             return copy.deepcopy(self._resume.source)
         if cursor is not None and not cursor.finished:
-            pos = cursor.position()
+            rp: S.ResumePoint = cursor.position()
+            if self._delivered_to_its_end(rp):
+                # Only StopIteration is left of this epoch: say so as the state after it does,
+                # so a resume (and a trainer counting epochs, such as Lightning) starts the
+                # next epoch -- torchdata's StatefulDataLoader does the same.
+                rp = self._epoch_start(rp.epoch + 1)
         else:
-            pos = {S.K_EPOCH: self._next_epoch, S.K_CONSUMED: 0, S.K_AHEAD: []}
-            if self._plan.kind == STATEFUL:
-                pos[S.K_SAMPLER_STATE] = self._plan.sampler_state()
-                pos[S.K_DRAWN] = 0
-                pos[S.K_SAMPLER_DONE] = False
-                pos[S.K_OUTSTANDING] = []
-            if self._plan.kind == ITERABLE:
-                pos[S.K_WORKERS] = [
-                    {"id": w, "delivered": 0, "exhausted": False, "dataset_state": None}
-                    for w in range(max(1, self.num_workers))
-                ]
-                pos[S.K_NEXT_WORKER] = 0
-        sd = {
-            S.K_FORMAT: S.FORMAT,
-            S.K_VERSION: S.VERSION,
-            S.K_CONFIG: dict(self._config),
-            S.K_SEED: self._ensure_seed(),
-            S.K_SKIPPED: [[e, t, S.plain_indices(i)] for e, t, i in self._counters.skipped],
-        }
-        sd.update(pos)
-        return sd
+            rp = self._epoch_start(self._next_epoch)
+        rp.seed = self._ensure_seed()
+        rp.skipped = [list(x) for x in self._counters.skipped]
+        return rp.to_state(self._config)
+
+    def _epoch_start(self, epoch: int) -> S.ResumePoint:
+        kind = self._plan.kind
+        rp = S.ResumePoint(
+            seed=0, epoch=epoch, stateful=kind == STATEFUL, iterable=kind == ITERABLE
+        )
+        if rp.stateful:
+            rp.sampler_state = self._plan.sampler_state()
+        if rp.iterable:
+            rp.workers = [S.WorkerPosition() for _ in range(max(1, self.num_workers))]
+        return rp
+
+    def _delivered_to_its_end(self, rp: S.ResumePoint) -> bool:
+        """Whether every batch of the position's epoch was delivered, as far as is known.
+
+        Known for torch's own samplers (their length is exact), for a stateful sampler drawn
+        to its end with nothing outstanding, and for a stream whose every shard ran dry. A
+        custom sampler's ``len()`` is not trusted (too long or too short, it would end an epoch
+        early): its epoch ends at StopIteration, as does a stream whose end was not yet seen.
+        """
+        kind = self._plan.kind
+        if kind == ITERABLE:
+            return all(w.exhausted for w in rp.workers)
+        if kind == STATEFUL:
+            return (
+                rp.sampler_done and not rp.outstanding and not rp.ahead and rp.consumed == rp.drawn
+            )
+        if kind == BUILTIN:
+            return rp.consumed >= len(self)
+        return False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from ``state_dict`` at the next ``iter(loader)``.
@@ -1101,7 +1116,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 configuration (the message names the field, both values and the fix). The
                 loader is then left exactly as it was.
         """
-        rp = S.parse_state(state_dict, self._config, self._plan.kind == STATEFUL)
+        rp = S.ResumePoint.from_state(state_dict, self._config, self._plan.kind == STATEFUL)
         if self._plan.kind in (BUILTIN, FASTFORWARD):
             try:
                 total = len(self)

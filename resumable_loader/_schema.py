@@ -1,4 +1,8 @@
-"""The loader's checkpoint: what the user consumed, as plain data, and its validation.
+"""The schema of a loader state: what the user consumed, as plain data, and its validation.
+
+``ResumePoint`` is the one reader and the one writer: ``to_state`` writes the plain dict that
+``state_dict()`` returns, and ``from_state`` validates one and reads it back (the round trip is
+the identity). The bytes of a state file are ``_codec``'s business.
 
 A state is a dict of plain data (None/bool/int/float/str/bytes/list/dict with str keys): it
 survives ``torch.save`` + ``torch.load(weights_only=True)``, json (when the dataset's own state
@@ -48,6 +52,24 @@ K_WORKERS = "workers"
 K_NEXT_WORKER = "next_worker"
 K_SKIPPED = "skipped"
 
+# The top-level keys, in the order a state holds them (and the CLI's summary shows them).
+KNOWN_KEYS = (
+    K_FORMAT,
+    K_VERSION,
+    K_CONFIG,
+    K_SEED,
+    K_SKIPPED,
+    K_EPOCH,
+    K_CONSUMED,
+    K_AHEAD,
+    K_SAMPLER_STATE,
+    K_DRAWN,
+    K_SAMPLER_DONE,
+    K_OUTSTANDING,
+    K_WORKERS,
+    K_NEXT_WORKER,
+)
+
 # Config fields that must match for a state to be loaded; num_workers only for streams (a
 # map-style batch does not depend on which worker loads it; a stream's shards do).
 MUST_MATCH = (
@@ -76,15 +98,31 @@ _FIX = {
 
 @dataclass
 class WorkerPosition:
+    """Where one stream worker's shard stands, as far as the caller consumed it."""
+
     delivered: int = 0
     exhausted: bool = False
     dataset_state: Any = None
     state_at: int = 0  # dataset_state was taken after this many of the delivered fetches
 
+    def to_state(self, wid: int) -> dict[str, Any]:
+        return {
+            "id": wid,
+            "delivered": self.delivered,
+            "exhausted": self.exhausted,
+            "dataset_state": self.dataset_state,
+            "state_at": self.state_at if self.dataset_state is not None else 0,
+        }
+
 
 @dataclass
 class ResumePoint:
-    """A validated state, ready to be applied at the next ``iter()``."""
+    """A position in the stream of batches: what ``state_dict()`` writes, and what a validated
+    state gives the next ``iter()``.
+
+    ``stateful`` (a user sampler with ``state_dict()``) and ``iterable`` (a stream) say which
+    groups of keys the state holds.
+    """
 
     seed: int
     epoch: int
@@ -97,7 +135,36 @@ class ResumePoint:
     workers: list[WorkerPosition] = field(default_factory=list)
     next_worker: int = 0
     skipped: list[Any] = field(default_factory=list)
-    source: dict[str, Any] | None = None  # the state it came from, for state_dict()
+    stateful: bool = False
+    iterable: bool = False
+    source: dict[str, Any] | None = field(default=None, compare=False)  # the state read
+
+    def to_state(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The plain-data state (see the module docstring for the keys)."""
+        sd: dict[str, Any] = {
+            K_FORMAT: FORMAT,
+            K_VERSION: VERSION,
+            K_CONFIG: dict(config),
+            K_SEED: self.seed,
+            K_SKIPPED: [[e, t, plain_indices(i)] for e, t, i in self.skipped],
+            K_EPOCH: self.epoch,
+            K_CONSUMED: self.consumed,
+            K_AHEAD: sorted(self.ahead),
+        }
+        if self.stateful:
+            sd[K_SAMPLER_STATE] = self.sampler_state
+            sd[K_DRAWN] = self.drawn
+            sd[K_SAMPLER_DONE] = self.sampler_done
+            sd[K_OUTSTANDING] = [[t, plain_indices(i)] for t, i in sorted(self.outstanding)]
+        if self.iterable:
+            sd[K_WORKERS] = [w.to_state(wid) for wid, w in enumerate(self.workers)]
+            sd[K_NEXT_WORKER] = self.next_worker
+        return sd
+
+    @classmethod
+    def from_state(cls, sd: Any, config: dict[str, Any], stateful_sampler: bool) -> ResumePoint:
+        """Validate ``sd`` against a loader's ``config`` and read it (see ``parse_state``)."""
+        return parse_state(sd, config, stateful_sampler)
 
 
 def plain_indices(idx: Any) -> Any:
@@ -187,7 +254,13 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
                 f"the checkpoint has {cfg.get(name)!r}, this loader has {config[name]!r}",
                 _FIX[name],
             )
-    rp = ResumePoint(seed=_int(sd, K_SEED), epoch=_int(sd, K_EPOCH), source=sd)
+    rp = ResumePoint(
+        seed=_int(sd, K_SEED),
+        epoch=_int(sd, K_EPOCH),
+        stateful=stateful_sampler,
+        iterable=config["dataset_kind"] == "iterable",
+        source=sd,
+    )
     rp.consumed = _int(sd, K_CONSUMED)
     required = (K_AHEAD, K_OUTSTANDING, K_SAMPLER_DONE) if stateful_sampler else (K_AHEAD,)
     for key in required:
@@ -269,5 +342,5 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
             f"expected [[epoch, task id, indices], ...], got {skipped!r:.200}",
             "the state is damaged",
         )
-    rp.skipped = list(skipped)
+    rp.skipped = [list(x) for x in skipped]
     return rp

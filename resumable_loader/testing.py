@@ -186,7 +186,15 @@ def check_resume(
         second = make_resumed()
         try:
             second.load_state_dict(sd)
-            start_epoch = e + 1 if after_stop else e
+            # The epoch the state says comes next: after the last batch of an epoch whose end
+            # the loader knows (its length, a drawn-out sampler, dried-up shards) that is the
+            # next epoch, as after StopIteration. Were it claimed early, the batches skipped
+            # would be missing below.
+            start_epoch = sd["epoch"]
+            if after_stop and start_epoch != e + 1:
+                raise AssertionError(
+                    f"after StopIteration of epoch {e} the state says {sd['epoch']}"
+                )
             for epoch in range(start_epoch, epochs):
                 got[epoch].extend(canonical(b) for b in second)
         finally:

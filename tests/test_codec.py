@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from resumable_loader.__main__ import format_summary, main
-from resumable_loader._checkpoint import (
+from resumable_loader._codec import (
     HEADER_SIZE,
     MAGIC,
     MAX_DEPTH,

@@ -283,3 +283,54 @@ def test_after_any_error_dropping_iterator_and_loader_ends_workers_without_gc(
         assert psutil.wait_procs(_children(), timeout=10)[1] == []
     finally:
         gc.enable()
+
+
+# ---- a state taken after the last batch -------------------------------------------------------
+class _CountingStream(torch.utils.data.IterableDataset):
+    """0..n-1, split over workers. Where a shard's length is not a multiple of the batch size
+    its last batch is short, so its end is seen while that batch is filled (10 items in
+    batches of 3: a shard of 10, or two of 5)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[int]:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(wid, self.n, nw))
+
+
+END_KNOWN = {
+    "map-builtin": lambda nw: _make(nw)(),
+    "stream-short-last-batch": lambda nw: DataLoader(
+        _CountingStream(10), batch_size=3, num_workers=nw
+    ),
+}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("case", list(END_KNOWN))
+def test_after_the_last_batch_of_a_known_end_the_state_is_the_next_epochs_start(
+    case: str, num_workers: int
+) -> None:
+    make = lambda: END_KNOWN[case](num_workers)  # noqa: E731
+    ref = reference_stream(make, epochs=2)
+    loader = make()
+    try:
+        it = iter(loader)
+        got = [canonical(next(it)) for _ in range(len(ref[0]))]
+        at_end = loader.state_dict()  # every batch delivered, StopIteration not yet raised
+        with pytest.raises(StopIteration):
+            next(it)
+        after_stop = loader.state_dict()
+    finally:
+        loader.close()
+    assert got == ref[0]
+    assert (at_end["epoch"], at_end["consumed"]) == (1, 0)
+    assert at_end == after_stop
+    resumed = make()
+    try:
+        resumed.load_state_dict(at_end)
+        assert [canonical(b) for b in resumed] == ref[1]  # the next epoch, at once
+    finally:
+        resumed.close()
