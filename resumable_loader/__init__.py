@@ -23,3 +23,16 @@ __all__ = [
     "dump_state",
     "load_state",
 ]
+
+
+def _claim_public_names() -> None:
+    """Public objects say they are ``resumable_loader``'s, not a private module's, so that
+    tracebacks, reprs and docs name ``resumable_loader.WorkerCrashError``. Pickling by reference
+    still works: the package exports each under that name."""
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("resumable_loader."):
+            obj.__module__ = __name__
+
+
+_claim_public_names()

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._codec import MAGIC, _encoded_size, load_state
+from resumable_loader._codec import MAGIC, _clip, _encoded_size, load_state
 from resumable_loader._errors import CheckpointError
 from resumable_loader._schema import FORMAT, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
@@ -480,10 +480,6 @@ def _is_count(value: Any) -> bool:
 
 def _is_int(text: str) -> bool:
     return text.lstrip("-").isdigit()
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _first_line(text: str) -> str:

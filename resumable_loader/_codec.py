@@ -315,21 +315,25 @@ def _walk(root: object, *, decoded: bool) -> None:
             if depth >= MAX_DEPTH:
                 raise _NotPlain(where, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
             for key, item in value.items():
-                if type(key) is str:
-                    if not decoded:
-                        _check_str(key, where, "dict key")
-                elif type(key) is int:
-                    if not decoded:
-                        _check_int(key, where, what="dict key")
-                else:
-                    raise _NotPlain(
-                        where,
-                        f"dict key {_clip(repr(key), 60)} has type {_type_name(key)}",
-                        "dict keys must be str or int; convert the key with str() or int()",
-                    )
+                _check_key(key, where, decoded)
                 stack.append((item, (where, key), depth + 1))
         else:
             raise _NotPlain(where, f"type {_type_name(value)} is not plain data", _hint(value))
+
+
+def _check_key(key: object, where: _Where, decoded: bool) -> None:
+    if type(key) is str:
+        if not decoded:
+            _check_str(key, where, "dict key")
+    elif type(key) is int:
+        if not decoded:
+            _check_int(key, where, what="dict key")
+    else:
+        raise _NotPlain(
+            where,
+            f"dict key {_clip(repr(key), 60)} has type {_type_name(key)}",
+            "dict keys must be str or int; convert the key with str() or int()",
+        )
 
 
 _DEPTH_HINT = "flatten the state (or break the reference cycle, if it holds itself)"

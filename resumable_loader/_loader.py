@@ -544,7 +544,8 @@ class _MultiProcessIter(_BaseIter):
             self._end(Life.ABANDONED)
             raise
 
-    def _setup(self, loader: DataLoader[Any], rp: S.ResumePoint | None) -> None:
+    def _start_processes(self, loader: DataLoader[Any]) -> None:
+        """The workers (a persistent pool's dead ones replaced), then the pin thread."""
         sup = self._sup
         if self._owns_sup:
             sup.start_all()
@@ -561,6 +562,10 @@ class _MultiProcessIter(_BaseIter):
             self._finalizer = weakref.finalize(
                 self, _retire, self._cursor, sup, self._owns_sup, self._pin
             )
+
+    def _setup(self, loader: DataLoader[Any], rp: S.ResumePoint | None) -> None:
+        self._start_processes(loader)
+        sup = self._sup
         loader._pool_gen += 1
         gen = loader._pool_gen
         start = rp.consumed if rp else 0
@@ -627,20 +632,25 @@ class _MultiProcessIter(_BaseIter):
             )
         )
         for slot in sup.slots:
-            slot.outstanding.clear()
-            slot.exhausted = False
-            slot.recv_state = {}
-            slot.recv_count = slot.next_k = slot.recv_at = 0
-            if self._ledger is not None:
-                w = slot.wid
-                slot.exhausted = self._ledger.exhausted[w]
-                slot.recv_state = dict(self._ledger.state[w])
-                slot.recv_count = slot.next_k = self._ledger.delivered[w]
-                slot.recv_at = self._ledger.state_at[w]
-                if not slot.recv_state and slot.recv_count and not slot.exhausted:
-                    loader._warn_fast_forward(slot.recv_count)
+            self._prime(slot, loader)
             disp.send_epoch(slot)
         disp.fill()
+
+    def _prime(self, slot: WorkerSlot, loader: DataLoader[Any]) -> None:
+        """A slot's bookkeeping at the start of the epoch (a stream's: where its shard stands)."""
+        slot.outstanding.clear()
+        slot.exhausted = False
+        slot.recv_state = {}
+        slot.recv_count = slot.next_k = slot.recv_at = 0
+        ledger = self._ledger
+        if ledger is not None:
+            w = slot.wid
+            slot.exhausted = ledger.exhausted[w]
+            slot.recv_state = dict(ledger.state[w])
+            slot.recv_count = slot.next_k = ledger.delivered[w]
+            slot.recv_at = ledger.state_at[w]
+            if not slot.recv_state and slot.recv_count and not slot.exhausted:
+                loader._warn_fast_forward(slot.recv_count)
 
     # ---- the caller's side ---------------------------------------------------------------
     def __next__(self) -> Any:
@@ -1009,7 +1019,6 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             self.num_workers,
             self.task_timeout,
             self._fork_lock,
-            self._counters,
         )
 
     def _drop_pool(self) -> None:

@@ -98,10 +98,6 @@ class IndexPlan:
                     self.description += f"({_qualname(inner)})"
         self._inner = inner
 
-    @property
-    def index_sampler(self) -> Any:
-        return self._index_sampler
-
     def sampler_state(self) -> Any:
         """The stateful sampler's own state (as of the tasks drawn so far), else None."""
         if self.kind == STATEFUL:

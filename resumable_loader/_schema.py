@@ -223,6 +223,37 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
 
     Pure: reads ``sd`` only, changes nothing.
     """
+    _check_header(sd, config)
+    rp = ResumePoint(
+        seed=_int(sd, K_SEED),
+        epoch=_int(sd, K_EPOCH),
+        stateful=stateful_sampler,
+        iterable=config["dataset_kind"] == "iterable",
+        source=sd,
+    )
+    rp.consumed = _int(sd, K_CONSUMED)
+    required = (K_AHEAD, K_OUTSTANDING, K_SAMPLER_DONE) if stateful_sampler else (K_AHEAD,)
+    for key in required:
+        if key not in sd:
+            raise _fail(key, "missing", "the state is damaged (a loader state always has it)")
+    ahead = sd.get(K_AHEAD, [])
+    if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
+        raise _fail(
+            K_AHEAD,
+            f"expected ids > consumed ({rp.consumed}), got {ahead!r}",
+            "the state is damaged",
+        )
+    rp.ahead = frozenset(ahead)
+    if stateful_sampler:
+        _read_sampler(sd, rp, config)
+    if rp.iterable:
+        _read_workers(sd, rp, max(1, config["num_workers"]))
+    rp.skipped = _read_skipped(sd)
+    return rp
+
+
+def _check_header(sd: Any, config: dict[str, Any]) -> None:
+    """What the state is, its version, and the configuration it was taken with."""
     if not isinstance(sd, dict):
         raise CheckpointError(
             f"cannot load DataLoader state: expected a dict, got {type(sd).__name__}. Pass the "
@@ -254,84 +285,70 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
                 f"the checkpoint has {cfg.get(name)!r}, this loader has {config[name]!r}",
                 _FIX[name],
             )
-    rp = ResumePoint(
-        seed=_int(sd, K_SEED),
-        epoch=_int(sd, K_EPOCH),
-        stateful=stateful_sampler,
-        iterable=config["dataset_kind"] == "iterable",
-        source=sd,
-    )
-    rp.consumed = _int(sd, K_CONSUMED)
-    required = (K_AHEAD, K_OUTSTANDING, K_SAMPLER_DONE) if stateful_sampler else (K_AHEAD,)
-    for key in required:
-        if key not in sd:
-            raise _fail(key, "missing", "the state is damaged (a loader state always has it)")
-    ahead = sd.get(K_AHEAD, [])
-    if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
+
+
+def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -> None:
+    """A stateful user sampler's part: its state, what was drawn, what is outstanding."""
+    rp.sampler_state = sd.get(K_SAMPLER_STATE)
+    rp.drawn = _int(sd, K_DRAWN)
+    done = sd.get(K_SAMPLER_DONE, False)
+    if type(done) is not bool:
+        raise _fail(K_SAMPLER_DONE, f"expected a bool, got {done!r}", "the state is damaged")
+    rp.sampler_done = done
+    out = sd.get(K_OUTSTANDING, [])
+    if not isinstance(out, list) or not all(
+        isinstance(x, list)
+        and len(x) == 2
+        and type(x[0]) is int
+        and 0 <= x[0] < rp.drawn
+        and _indices_ok(x[1], config["dataset_len"])
+        for x in out
+    ):
         raise _fail(
-            K_AHEAD,
-            f"expected ids > consumed ({rp.consumed}), got {ahead!r}",
+            K_OUTSTANDING,
+            f"expected [[task id < drawn, indices], ...], got {out!r}",
             "the state is damaged",
         )
-    rp.ahead = frozenset(ahead)
-    if stateful_sampler:
-        rp.sampler_state = sd.get(K_SAMPLER_STATE)
-        rp.drawn = _int(sd, K_DRAWN)
-        done = sd.get(K_SAMPLER_DONE, False)
-        if type(done) is not bool:
-            raise _fail(K_SAMPLER_DONE, f"expected a bool, got {done!r}", "the state is damaged")
-        rp.sampler_done = done
-        out = sd.get(K_OUTSTANDING, [])
-        if not isinstance(out, list) or not all(
-            isinstance(x, list)
-            and len(x) == 2
-            and type(x[0]) is int
-            and 0 <= x[0] < rp.drawn
-            and _indices_ok(x[1], config["dataset_len"])
-            for x in out
+    rp.outstanding = [(t, idx) for t, idx in out]
+
+
+def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
+    """A stream's part: where each of the ``n`` workers' shards stands, who comes next."""
+    workers = sd.get(K_WORKERS)
+    if not isinstance(workers, list) or len(workers) != n:
+        raise _fail(
+            K_WORKERS,
+            f"expected {n} worker entries, got {workers!r:.200}",
+            "the state is damaged",
+        )
+    for i, w in enumerate(workers):
+        if (
+            not isinstance(w, dict)
+            or type(w.get("delivered")) is not int
+            or w["delivered"] < 0
+            or type(w.get("exhausted")) is not bool
         ):
+            raise _fail(f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged")
+        at = w.get("state_at", w["delivered"] if w.get("dataset_state") is not None else 0)
+        if type(at) is not int or not 0 <= at <= w["delivered"]:
             raise _fail(
-                K_OUTSTANDING,
-                f"expected [[task id < drawn, indices], ...], got {out!r}",
+                f"{K_WORKERS}[{i}].state_at",
+                f"expected an int in [0, delivered={w['delivered']}], got {at!r}",
                 "the state is damaged",
             )
-        rp.outstanding = [(t, idx) for t, idx in out]
-    if config["dataset_kind"] == "iterable":
-        workers = sd.get(K_WORKERS)
-        n = max(1, config["num_workers"])
-        if not isinstance(workers, list) or len(workers) != n:
-            raise _fail(
-                K_WORKERS,
-                f"expected {n} worker entries, got {workers!r:.200}",
-                "the state is damaged",
-            )
-        for i, w in enumerate(workers):
-            if (
-                not isinstance(w, dict)
-                or type(w.get("delivered")) is not int
-                or w["delivered"] < 0
-                or type(w.get("exhausted")) is not bool
-            ):
-                raise _fail(
-                    f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged"
-                )
-            at = w.get("state_at", w["delivered"] if w.get("dataset_state") is not None else 0)
-            if type(at) is not int or not 0 <= at <= w["delivered"]:
-                raise _fail(
-                    f"{K_WORKERS}[{i}].state_at",
-                    f"expected an int in [0, delivered={w['delivered']}], got {at!r}",
-                    "the state is damaged",
-                )
-            rp.workers.append(
-                WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state"), at)
-            )
-        rp.next_worker = _int(sd, K_NEXT_WORKER)
-        if rp.next_worker >= n:
-            raise _fail(
-                K_NEXT_WORKER,
-                f"{rp.next_worker} is not a worker id below {n}",
-                "the state is damaged",
-            )
+        rp.workers.append(
+            WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state"), at)
+        )
+    rp.next_worker = _int(sd, K_NEXT_WORKER)
+    if rp.next_worker >= n:
+        raise _fail(
+            K_NEXT_WORKER,
+            f"{rp.next_worker} is not a worker id below {n}",
+            "the state is damaged",
+        )
+
+
+def _read_skipped(sd: dict[str, Any]) -> list[Any]:
     skipped = sd.get(K_SKIPPED, [])
     if not isinstance(skipped, list) or not all(
         isinstance(x, list) and len(x) == 3 and type(x[0]) is int and type(x[1]) is int
@@ -342,5 +359,4 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
             f"expected [[epoch, task id, indices], ...], got {skipped!r:.200}",
             "the state is damaged",
         )
-    rp.skipped = [list(x) for x in skipped]
-    return rp
+    return [list(x) for x in skipped]

@@ -211,7 +211,6 @@ class WorkerSlot:
         self.booted = False  # the current process has sent BOOTED
         self.start_since = 0.0  # when it was started, then when it sent BOOTED
         self.running: int | None = None  # the task it said it started out of order (STARTED)
-        self.generation = 0  # counts (re)spawns of this slot
         # Stream bookkeeping (iterable datasets), per epoch:
         self.exhausted = False  # an END was received from this slot
         self.recv_state: dict[Any, bytes] = {}
@@ -247,7 +246,6 @@ class Supervisor:
         num_workers: int,
         task_timeout: float | None,
         fork_lock: threading.Lock,
-        counters: Any,
     ) -> None:
         self.ctx = ctx if ctx is not None else multiprocessing.get_context()
         self._is_fork = self.ctx.get_start_method() == "fork"
@@ -255,7 +253,6 @@ class Supervisor:
         self.slots = [WorkerSlot(w) for w in range(num_workers)]
         self.task_timeout = task_timeout
         self.fork_lock = fork_lock
-        self.counters = counters
         self._poller = select.poll()
         self._fds: dict[int, tuple[str, WorkerSlot | None]] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -331,7 +328,6 @@ class Supervisor:
         slot.booted = False
         slot.running = None
         slot.start_since = time.monotonic()
-        slot.generation += 1
         slot.busy_since = time.monotonic()
         self._watch(result_r.fileno(), "conn", slot)
         self._watch(proc.sentinel, "sentinel", slot)
@@ -420,26 +416,9 @@ class Supervisor:
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
             ready = []
         events: list[tuple[str, Any, Any]] = []
+        # slot -> (why, kill): "" when the exit status will say why
         dead: dict[WorkerSlot, tuple[str, bool]] = {}
-        for fd, _ev in ready:
-            entry = self._fds.get(fd)
-            if entry is None:
-                continue
-            kind, slot = entry
-            if kind == "wake":
-                try:
-                    while os.read(fd, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-            elif kind == "sentinel":
-                assert slot is not None
-                dead.setdefault(slot, ("", False))
-            elif kind in self._extra_fds.values():
-                events.append(("extra", kind, None))
-        readable = {
-            entry[1] for fd, _ev in ready if (entry := self._fds.get(fd)) and entry[0] == "conn"
-        }
+        readable = self._sort_ready(ready, dead, events)
         now = time.monotonic()
         if now - self._last_poll >= POLL_INTERVAL_S:
             self._last_poll = now
@@ -457,19 +436,51 @@ class Supervisor:
             if hang is not None and slot not in dead and now > hang[0]:
                 dead[slot] = (hang[1], True)
         for slot, (why, kill) in dead.items():
-            pid = slot.pid
-            was_ready = slot.state == READY_STATE
-            exitcode = self.mark_dead(slot, kill=kill)
-            if why.startswith("hung"):
-                cause, key = why, "hang"
-            elif why == "failed to start":
-                cause, key = "failed in worker_init_fn", "init_error"
-            elif why:
-                cause, key = f"{why}; then {describe_exit(exitcode)}", "recv_error"
-            else:
-                cause, key = describe_exit(exitcode), exit_cause(exitcode)
-            events.append(("dead", slot, DeathReport(pid, exitcode, cause, key, was_ready)))
+            events.append(("dead", slot, self._report_death(slot, why, kill)))
         return events
+
+    def _sort_ready(
+        self,
+        ready: list[tuple[int, int]],
+        dead: dict[WorkerSlot, tuple[str, bool]],
+        events: list[tuple[str, Any, Any]],
+    ) -> set[WorkerSlot]:
+        """Handle the wake-up pipe, sentinels and extra fds; return the slots with data."""
+        readable: set[WorkerSlot] = set()
+        for fd, _ev in ready:
+            entry = self._fds.get(fd)
+            if entry is None:
+                continue
+            kind, slot = entry
+            if kind == "conn" and slot is not None:
+                readable.add(slot)
+            elif kind == "wake":
+                try:
+                    while os.read(fd, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif kind == "sentinel":
+                assert slot is not None
+                dead.setdefault(slot, ("", False))
+            elif kind in self._extra_fds.values():
+                events.append(("extra", kind, None))
+        return readable
+
+    def _report_death(self, slot: WorkerSlot, why: str, kill: bool) -> DeathReport:
+        """Reap (killing first if ``kill``) and describe a dead or hung worker."""
+        pid = slot.pid
+        was_ready = slot.state == READY_STATE
+        exitcode = self.mark_dead(slot, kill=kill)
+        if why.startswith("hung"):
+            cause, key = why, "hang"
+        elif why == "failed to start":
+            cause, key = "failed in worker_init_fn", "init_error"
+        elif why:
+            cause, key = f"{why}; then {describe_exit(exitcode)}", "recv_error"
+        else:
+            cause, key = describe_exit(exitcode), exit_cause(exitcode)
+        return DeathReport(pid, exitcode, cause, key, was_ready)
 
     def _read(
         self,

@@ -9,6 +9,7 @@ Everything is module-level (picklable) and uses the fork start method unless a t
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -18,6 +19,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,27 +151,34 @@ class PosState:
 class CursorOnDataset(PosState, IterableDataset):
     """Values 0..3; the cursor (the state) lives on the dataset object, as in many datasets."""
 
-    def __init__(self) -> None:
+    def __init__(self, reached: Any = None) -> None:
         self.pos = 0
+        self.reached = reached  # an Event set once the cursor has moved past item 1
 
     def __iter__(self):
         while self.pos < 4:
             self.pos += 1
+            if self.pos == 2 and self.reached is not None:
+                self.reached.set()
             yield self.pos - 1
         self.pos = 0
 
 
 def test_load_state_into_persistent_workers_restarts_the_dataset() -> None:
+    ctx = multiprocessing.get_context("fork")
+    prefetched = ctx.Event()
     loader = DataLoader(
-        CursorOnDataset(),
+        CursorOnDataset(prefetched),
         batch_size=None,
         num_workers=1,
         persistent_workers=True,
         multiprocessing_context="fork",
     )
     with loader:
-        iter(loader)
-        time.sleep(0.5)  # the worker prefetches items 0 and 1: its dataset's cursor is at 2
+        it = iter(loader)
+        # the worker prefetches items 0 and 1: its dataset's cursor is at 2
+        assert prefetched.wait(30), "the worker never read item 1"
+        del it
         loader.load_state_dict(loader.state_dict())  # epoch 0, nothing consumed
         assert list(loader) == [0, 1, 2, 3]  # got [2, 3]
 
@@ -185,7 +194,7 @@ def test_transient_error_while_fast_forwarding_is_retried(num_workers: int) -> N
             multiprocessing_context=method,
         )
         with first:
-            it = iter(first)  # keep it: a dropped iterator's epoch is over
+            it = iter(first)
             assert next(it) == 0
             sd = first.state_dict()
         # Re-reading item 0 to skip it fails once with a transient OSError.
