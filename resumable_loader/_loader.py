@@ -1,18 +1,25 @@
 """The DataLoader and its iterators: where the stages are wired together.
 
+This is the one drawing of the pipeline (the README links here); each box names its module.
+
  sampler / batch_sampler ──► dispatcher ──► task pipe (one per worker) ──► worker process
-  (_sampling: position       (_dispatch: task id = send_idx,               (_worker: per-task
-   is state)                  outstanding: id → indices, worker)            seeded RNG, fetch,
-                                                                            collate)
+  (_sampling: the epoch's     (_dispatch: task id = position in          (_worker: per-task
+   order; position is state)   the epoch; outstanding: id → indices,      seeded RNGs, fetch,
+                               worker; EPOCH and re-sends)                collate, send)
                                                                                 │
- user ◄── reorder buffer ◄── pin-memory thread ◄── result pipe (one per worker) ┘
-        (_reorder: releases    (_pin: optional;     (task id, payload | error,
-         id == rcvd, drops      keeps ids)           stream state delta)
+ user ◄── reorder buffer ◄── pin thread ◄── result socket (one per worker) ◄────┘
+        (_reorder: releases    (_pin:        (_transport: tensors' fds in-band, never blocks;
+         ids in order, drops    optional)     a result carries its stream state delta)
          duplicates)
 
- supervisor (_supervisor): waits on every result pipe, process sentinel and a SIGCHLD wake-up
-   pipe; on a death or hang: reap, respawn the same worker id with the same seeds, re-send its
-   outstanding tasks; a task that keeps killing workers ends in WorkerCrashError naming it.
+ supervisor (_supervisor): waits on every result socket, process sentinel and a SIGCHLD
+   wake-up pipe, polls liveness, enforces task_timeout; reports each death as a DeathReport.
+ recovery (_recovery): turns a death report into decisions -- blame, attempts, poison or
+   skip, respawn, EPOCH, re-send -- which the iterator only sees as items or a fatal error.
+ lifecycle (_lifecycle): the iterator's states (open → finished / abandoned / broken / closed)
+   and the Cursor: the position, read from the reorder buffer, dispatcher and stream ledger,
+   frozen when the iterator ends, kept by the loader until the next iter().
+ state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes).
 
 With num_workers=0 the same state contract holds, with no processes: the main process fetches
 each task itself, under the same per-task seeds (its own RNG streams saved and restored).

@@ -52,7 +52,8 @@ def positions(draw: Any) -> tuple[ResumePoint, dict[str, Any]]:
         rp.drawn = consumed + len(rp.ahead) + draw(st.integers(0, 5))
         rp.sampler_state = draw(plain)
         rp.sampler_done = draw(st.booleans())
-        tids = draw(st.lists(st.integers(0, max(0, rp.drawn - 1)), unique=True, max_size=3))
+        ids = st.integers(0, rp.drawn - 1) if rp.drawn else st.nothing()
+        tids = draw(st.lists(ids, unique=True, max_size=3 if rp.drawn else 0))
         rp.outstanding = sorted((t, [(2 * t) % 1000, (2 * t + 1) % 1000]) for t in tids)
     if kind == "iterable":
         for _ in range(max(1, num_workers)):
