@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._codec import MAGIC, _clip, _encoded_size, load_state
+from resumable_loader._codec import MAGIC, clip_text, encoded_size, load_state
 from resumable_loader._errors import CheckpointError
 from resumable_loader._schema import FORMAT, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
@@ -277,7 +277,7 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
     if extra:
         out.line(f"other keys ({len(extra)})")
         for key in extra[:SHOW_KEYS]:
-            out.field(f"  {_clip(str(key), 12)}", _describe(state[key]))
+            out.field(f"  {clip_text(str(key), 12)}", _describe(state[key]))
         if len(extra) > SHOW_KEYS:
             out.line(f"  ... {len(extra) - SHOW_KEYS} more")
     return out.text()
@@ -302,7 +302,7 @@ def _config_lines(out: _Lines, config: dict[Any, Any]) -> None:
     known |= {"num_workers", "world_size", "rank"}
     for key, value in config.items():
         if key not in known:
-            out.field(f"  {_clip(str(key), 12)}", _describe(value))
+            out.field(f"  {clip_text(str(key), 12)}", _describe(value))
 
 
 def _outstanding_lines(out: _Lines, outstanding: Any, sampler: Any, consumed: Any) -> None:
@@ -394,7 +394,7 @@ def _scalar(value: Any) -> str:
     if value is MISSING:
         return MISSING
     if isinstance(value, str):
-        return _clip(value, 60)
+        return clip_text(value, 60)
     return _describe(value)
 
 
@@ -407,7 +407,7 @@ def _indices(indices: Any) -> str:
 def _int_list(values: Any, limit: int) -> str:
     if not isinstance(values, list):
         return _describe(values)
-    shown = ", ".join(_clip(_scalar(v), 20) for v in values[:limit])
+    shown = ", ".join(clip_text(_scalar(v), 20) for v in values[:limit])
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
@@ -418,11 +418,11 @@ def _describe(value: Any) -> str:
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
     if isinstance(value, str):
-        return repr(_clip(value, 60))
+        return repr(clip_text(value, 60))
     if isinstance(value, (bytes, bytearray)):
         return f"<{len(value)} bytes>"
     if isinstance(value, dict):
-        keys = [_clip(str(k), 20) for k in list(value)[:6]]
+        keys = [clip_text(str(k), 20) for k in list(value)[:6]]
         more = ", ..." if len(value) > 6 else ""
         text = f"dict, {len(value)} keys" + (f" ({', '.join(keys)}{more})" if keys else "")
         return text + _size_suffix(value)
@@ -434,7 +434,7 @@ def _describe(value: Any) -> str:
 
 
 def _size_suffix(value: Any) -> str:
-    size = _encoded_size(value)
+    size = encoded_size(value)
     return "" if size is None else f", {_human_bytes(size)}"
 
 
@@ -459,7 +459,7 @@ def _jsonable(value: Any) -> Any:
         }
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    return {"$repr": _clip(repr(value), 200)}
+    return {"$repr": clip_text(repr(value), 200)}
 
 
 def _kind(value: Any) -> str:
@@ -469,7 +469,7 @@ def _kind(value: Any) -> str:
 def _preview(value: Any) -> str:
     """': ' and the first characters of a small container, if it can be shown as JSON."""
     try:
-        return ": " + _clip(json.dumps(_jsonable(value), ensure_ascii=False), 60)
+        return ": " + clip_text(json.dumps(_jsonable(value), ensure_ascii=False), 60)
     except (RecursionError, ValueError):
         return ""  # it holds itself (torch.save allows cycles): the line above says enough
 
@@ -484,7 +484,7 @@ def _is_int(text: str) -> bool:
 
 def _first_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return _clip(lines[0], 200) if lines else "no message"
+    return clip_text(lines[0], 200) if lines else "no message"
 
 
 def _one_line(text: str) -> str:

@@ -271,7 +271,7 @@ def _dict_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
             )
         if key in out:
             _fail(
-                f"the payload has the map key {_clip(repr(key), 60)} twice; dump_state never "
+                f"the payload has the map key {clip_text(repr(key), 60)} twice; dump_state never "
                 "writes that -- use a file that dump_state wrote"
             )
         out[key] = value
@@ -331,7 +331,7 @@ def _check_key(key: object, where: _Where, decoded: bool) -> None:
     else:
         raise _NotPlain(
             where,
-            f"dict key {_clip(repr(key), 60)} has type {_type_name(key)}",
+            f"dict key {clip_text(repr(key), 60)} has type {_type_name(key)}",
             "dict keys must be str or int; convert the key with str() or int()",
         )
 
@@ -362,7 +362,7 @@ def _check_int(value: int, where: _Where, what: str = "int") -> None:
     if not INT_MIN <= value <= INT_MAX:
         raise _NotPlain(
             where,
-            f"{what} {_clip(repr(value), 60)} is outside the range msgpack can store "
+            f"{what} {clip_text(repr(value), 60)} is outside the range msgpack can store "
             "(-2**63 to 2**64-1)",
             "store it as a str, or split it into smaller ints",
         )
@@ -376,7 +376,7 @@ def _check_str(value: str, where: _Where, what: str) -> None:
     except UnicodeEncodeError as exc:
         raise _NotPlain(
             where,
-            f"{what} {_clip(repr(value), 60)} cannot be encoded as UTF-8 ({exc.reason})",
+            f"{what} {clip_text(repr(value), 60)} cannot be encoded as UTF-8 ({exc.reason})",
             "it holds a lone surrogate; store the raw data as bytes instead",
         ) from None
 
@@ -405,7 +405,7 @@ def _render_path(root: str, where: _Where) -> str:
         where, key = where
         keys.append(key)
     keys.reverse()
-    parts = [f"[{_clip(repr(k), 40)}]" for k in keys]
+    parts = [f"[{clip_text(repr(k), 40)}]" for k in keys]
     if len(parts) > 16:  # a path into deeply nested data: the ends say where it is
         parts = [*parts[:6], f"...{len(parts) - 12} more...", *parts[-6:]]
     return root + "".join(parts)
@@ -424,7 +424,7 @@ def _checksum(header_prefix: bytes, payload: bytes) -> bytes:
     return h.digest()
 
 
-def _encoded_size(value: object) -> int | None:
+def encoded_size(value: object) -> int | None:
     """Bytes the msgpack encoding of ``value`` takes, or None if it is not plain data."""
     try:
         _walk(value, decoded=False)
@@ -460,10 +460,10 @@ def _type_name(value: object) -> str:
 
 def _describe_exc(exc: BaseException) -> str:
     text = " ".join(str(exc).split())  # one line, whatever the exception put in its message
-    return f"{type(exc).__name__}: {_clip(text, 200)}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {clip_text(text, 200)}" if text else type(exc).__name__
 
 
-def _clip(text: str, limit: int) -> str:
+def clip_text(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

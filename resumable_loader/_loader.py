@@ -1159,17 +1159,14 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._counters.skipped = [[e, t, S.plain_indices(i)] for e, t, i in rp.skipped]
 
     def statistics(self) -> LoaderStatistics:
-        """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits."""
-        alive = 0
-        it = self._active()
-        sups = []
-        if self._pool is not None:
-            sups.append(self._pool)
-        elif isinstance(it, _MultiProcessIter) and it.is_open:
-            sups.append(it._sup)
-        for sup in sups:
-            alive += sum(1 for s in sup.slots if s.alive)
-        return self._counters.snapshot(alive)
+        """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits,
+        and the workers' pids (see ``LoaderStatistics``)."""
+        sup = self._pool
+        if sup is None:
+            it = self._active()
+            sup = it._sup if isinstance(it, _MultiProcessIter) else None
+        pids = tuple(s.pid if s.alive else -1 for s in sup.slots) if sup is not None else ()
+        return self._counters.snapshot(pids)
 
     def check_invariants(self) -> None:
         """Assert the pipeline's invariants (for tests): reorder buffer and task table."""

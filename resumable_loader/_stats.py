@@ -24,6 +24,8 @@ class LoaderStatistics:
             ``(epoch, task id, sample indices)`` (indices as a tuple: the snapshot is immutable).
         wait_time_s: time the caller spent blocked waiting for data.
         workers_alive: worker processes running now.
+        worker_pids: the pid of each worker slot of the current iterator (or persistent pool),
+            by worker id; -1 for a slot whose process is not running. Empty without workers.
     """
 
     batches: int = 0
@@ -37,6 +39,7 @@ class LoaderStatistics:
     skipped_tasks: tuple[tuple[int, int, Any], ...] = ()
     wait_time_s: float = 0.0
     workers_alive: int = 0
+    worker_pids: tuple[int, ...] = ()
 
 
 class Counters:
@@ -51,7 +54,7 @@ class Counters:
         self.skipped: list[list[Any]] = []  # [epoch, tid, indices]: also saved in the state
         self.wait_time_s = 0.0
 
-    def snapshot(self, workers_alive: int) -> LoaderStatistics:
+    def snapshot(self, worker_pids: tuple[int, ...]) -> LoaderStatistics:
         return LoaderStatistics(
             batches=self.batches,
             respawns=sum(self.respawns_by_cause.values()),
@@ -63,5 +66,6 @@ class Counters:
                 (e, t, tuple(i) if isinstance(i, list) else i) for e, t, i in self.skipped
             ),
             wait_time_s=self.wait_time_s,
-            workers_alive=workers_alive,
+            workers_alive=sum(1 for pid in worker_pids if pid > 0),
+            worker_pids=worker_pids,
         )

@@ -367,13 +367,7 @@ class FaultyStream(IterableDataset):
 
 def worker_pids(loader: Any) -> list[int]:
     """The pids of the loader's live worker processes, by worker id (-1: not running)."""
-    sup = loader._pool
-    if sup is None:
-        it = loader._active()
-        sup = getattr(it, "_sup", None)
-    if sup is None:
-        return []
-    return [s.pid if s.alive else -1 for s in sup.slots]
+    return list(loader.statistics().worker_pids)
 
 
 def kill_at(loader: Any, plan: Mapping[int, Iterable[tuple[int, int]]]) -> Iterator[Any]:
