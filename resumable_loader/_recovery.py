@@ -19,6 +19,7 @@ position (errors, skips, stream ends) or a fatal error to break with.
 from __future__ import annotations
 
 import logging
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,21 @@ class Outcome:
 
     deliver: list[tuple[int, Any]] = field(default_factory=list)
     fatal: WorkerCrashError | None = None
+
+
+def torch_words(report: DeathReport) -> str:
+    """torch's own sentence for this death, which scripts and tests match on ("" for a hang,
+    which torch has no words for)."""
+    code = report.exitcode
+    if code is None or report.key == "hang":
+        return ""
+    if code < 0:
+        try:
+            name = signal.strsignal(-code) or f"signal {-code}"
+        except ValueError:
+            name = f"signal {-code}"
+        return f"DataLoader worker (pid {report.pid}) is killed by signal: {name}."
+    return f"DataLoader worker (pid {report.pid}) exited unexpectedly with exit code {code}."
 
 
 def describe(task: Task, iterable: bool) -> str:
@@ -105,14 +121,14 @@ class Recovery:
         if blamed is not None:
             blamed.failures.append(line)
             if len(blamed.failures) >= self.max_attempts:
-                self._poison(slot, blamed, out)
+                self._poison(slot, blamed, report, out)
         if slot.start_failures >= self.max_attempts:
             out.fatal = self._failed_start(slot, report, line)
             return out
         try:
             self.sup.respawn(slot)
         except WorkerCrashError as storm:
-            out.fatal = storm
+            out.fatal = WorkerCrashError(str(storm) + _in_torchs_words(report), attempts=(line,))
             return out
         self.counters.respawns_by_cause[report.key] += 1
         self.disp.send_epoch(slot)
@@ -141,14 +157,15 @@ class Recovery:
         err = WorkerCrashError(
             f"DataLoader worker {slot.wid} failed to start {slot.start_failures} times in a "
             f"row (last: pid {report.pid} {report.cause}). Fix worker_init_fn or the worker "
-            f"environment{advice}. The loader's state_dict() still describes what was consumed.",
+            f"environment{advice}. The loader's state_dict() still describes what was consumed."
+            + _in_torchs_words(report),
             attempts=(line,),
         )
         if slot.init_error is not None:
             err.__cause__ = slot.init_error.exception()
         return err
 
-    def _poison(self, slot: WorkerSlot, task: Task, out: Outcome) -> None:
+    def _poison(self, slot: WorkerSlot, task: Task, report: DeathReport, out: Outcome) -> None:
         attempts = tuple(task.failures)
         indices = task.payload
         message = (
@@ -158,6 +175,7 @@ class Recovery:
             + "\n  ".join(attempts)
             + "\nThe sample probably crashes its decoder or exhausts memory: remove or repair it, "
             "or build the loader with on_poison='skip' to skip such tasks."
+            + _in_torchs_words(report)
         )
         self.disp.drop(task.tid)
         extra = (slot.wid, None, True) if self.iterable else None
@@ -198,4 +216,9 @@ class Recovery:
         )
 
 
-__all__ = ["POISON", "SKIPPED", "Outcome", "Recovery", "describe"]
+def _in_torchs_words(report: DeathReport) -> str:
+    words = torch_words(report)
+    return f"\n(The last death in torch's words: {words})" if words else ""
+
+
+__all__ = ["POISON", "SKIPPED", "Outcome", "Recovery", "describe", "torch_words"]

@@ -11,7 +11,7 @@ import pytest
 
 from resumable_loader import WorkerCrashError
 from resumable_loader._dispatch import Dispatcher
-from resumable_loader._recovery import POISON, SKIPPED, Recovery
+from resumable_loader._recovery import POISON, SKIPPED, Recovery, torch_words
 from resumable_loader._stats import Counters
 from resumable_loader._supervisor import DEAD, READY_STATE, STARTING, DeathReport, WorkerSlot
 from resumable_loader._worker import END, EPOCH, TASK_MSG, WorkerError
@@ -123,6 +123,8 @@ def test_the_third_death_on_one_task_makes_it_poison(on_poison: str) -> None:
         assert status == POISON and isinstance(payload, WorkerCrashError)
         assert payload.task_id == 0 and payload.indices == [0, 1] and len(payload.attempts) == 3
         assert "killed the worker 3 times" in str(payload) and "on_poison='skip'" in str(payload)
+        # torch's own sentence too, for the last death (the second replacement, pid 202)
+        assert "DataLoader worker (pid 202) is killed by signal: Killed." in str(payload)
     else:
         assert status == SKIPPED and payload[:2] == (0, [0, 1]) and "(skipped)" in payload[2]
 
@@ -160,6 +162,7 @@ def test_a_respawn_storm_is_fatal() -> None:
     w0 = sup.slots[0]
     out = recovery.on_death(w0, die(sup, w0))
     assert out.fatal is not None and "respawn storm" in str(out.fatal)
+    assert "is killed by signal: Killed." in str(out.fatal)
 
 
 def test_a_poisoned_stream_batch_ends_that_workers_shard() -> None:
@@ -189,3 +192,37 @@ def test_an_exhausted_stream_worker_is_replaced_but_its_tasks_end() -> None:
     ]
     assert [m[0] for _, m in sup.sent] == [EPOCH]  # told the epoch, but nothing re-sent
     assert not disp.tasks.keys() & {1, 3}
+
+
+def test_torchs_words_for_each_kind_of_death() -> None:
+    def words(exitcode: int | None, key: str = "x") -> str:
+        return torch_words(DeathReport(42, exitcode, "cause", key, True))
+
+    assert words(-11) == "DataLoader worker (pid 42) is killed by signal: Segmentation fault."
+    assert words(-9) == "DataLoader worker (pid 42) is killed by signal: Killed."
+    assert words(3) == "DataLoader worker (pid 42) exited unexpectedly with exit code 3."
+    assert words(-9, key="hang") == ""  # torch has no words for a hang
+    assert words(None) == ""
+
+
+def test_a_segfaulting_sample_is_reported_in_torchs_words_too(tmp_path: Any) -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from resumable_loader import DataLoader
+    from resumable_loader.testing import Fault, FaultyDataset
+
+    ds = FaultyDataset(
+        TensorDataset(torch.arange(8)), {5: Fault("sigsegv", attempts=None)}, tmp_path
+    )
+    loader = DataLoader(ds, batch_size=2, num_workers=2, max_task_attempts=2)
+    with (
+        loader,
+        pytest.raises(
+            WorkerCrashError,
+            match=r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault\.",
+        ) as info,
+    ):
+        for _ in loader:
+            pass
+    assert info.value.indices == [4, 5]
