@@ -836,6 +836,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             costs under 3% of a fetch (then a resume reads nothing twice), else less often, and
             a resume or respawn replays the fetches since the last state (at most 255).
             ``1``: always with every result, whatever it costs.
+        snapshot_every_n_steps: torchdata's name for ``stream_state_every`` (accepted so that
+            a migration from ``StatefulDataLoader`` is an import change).
 
     Methods beyond torch's: ``state_dict()``, ``load_state_dict()``, ``statistics()``,
     ``close()`` and context-manager use.
@@ -866,6 +868,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         on_poison: str = "raise",
         retry: RetryPolicy | None = None,
         stream_state_every: int | None = None,
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         super().__init__(
@@ -897,6 +900,15 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             raise ValueError(f"max_task_attempts must be an int >= 1, got {max_task_attempts!r}")
         if on_poison not in ("raise", "skip"):
             raise ValueError(f"on_poison must be 'raise' or 'skip', got {on_poison!r}")
+        if snapshot_every_n_steps is not None:
+            # torchdata's name for the same thing: a migration is an import change.
+            if stream_state_every not in (None, snapshot_every_n_steps):
+                raise ValueError(
+                    f"snapshot_every_n_steps={snapshot_every_n_steps!r} and stream_state_every="
+                    f"{stream_state_every!r} disagree: they are two names for one setting; "
+                    "pass one of them"
+                )
+            stream_state_every = snapshot_every_n_steps
         if stream_state_every is not None and (
             type(stream_state_every) is not int or stream_state_every < 1
         ):
@@ -1035,7 +1047,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._pool_finalizer = None
 
     def _warn_fast_forward(self, n: int) -> None:
-        if self._warned_ff:
+        if self._warned_ff or S.has_state(self.dataset):
+            # A dataset with state that had no snapshot yet (stream_state_every > 1): the
+            # replay is bounded by the snapshot interval, as documented; nothing to warn of.
             return
         self._warned_ff = True
         warnings.warn(

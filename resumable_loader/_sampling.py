@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from ._schema import has_state
 from ._seeding import SAMPLER, derive_seed
 
 BUILTIN = "builtin"
@@ -38,12 +39,6 @@ ITERABLE = "iterable"
 def _qualname(obj: object) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _has_state(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 class IndexPlan:
@@ -69,9 +64,9 @@ class IndexPlan:
         # torch's own BatchSampler (which only groups consecutive draws).
         self._stateful_obj: Any = None
         if not isinstance(dataset, IterableDataset):
-            if _has_state(index_sampler):
+            if has_state(index_sampler):
                 self._stateful_obj = index_sampler
-            elif auto_collation and type(batch_sampler) is BatchSampler and _has_state(sampler):
+            elif auto_collation and type(batch_sampler) is BatchSampler and has_state(sampler):
                 self._stateful_obj = sampler
         if isinstance(dataset, IterableDataset):
             self.kind = ITERABLE

@@ -167,6 +167,13 @@ class ResumePoint:
         return parse_state(sd, config, stateful_sampler)
 
 
+def has_state(obj: object) -> bool:
+    """Whether ``obj`` saves and restores itself (``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
 def plain_indices(idx: Any) -> Any:
     """A task's sample indices as plain ints: samplers often yield numpy or tensor integers,
     which are not plain data (json, msgpack and torch.load(weights_only=True) refuse them)."""
