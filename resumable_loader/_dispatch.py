@@ -3,11 +3,13 @@
 Task ids are the positions of batches in the epoch (``send_idx`` is the next new one). A task
 is *outstanding* from the moment it is drawn until its result reaches the main process.
 
-Map-style tasks may run on any worker (a task's values depend on its id only), so a new task
-goes to the least-loaded ready worker, and a dead worker's tasks go straight to the survivors
-(ahead of their prefetched work: workers run the lowest id first) while its replacement starts.
-Stream tasks belong to one worker's shard: they are dealt round-robin over the workers not yet
-exhausted, like torch, and a dead worker's tasks wait for its replacement.
+Assignment is torch's while the workers are healthy: task i goes to worker i mod n, skipping
+workers that cannot take it (a stream worker whose shard ran dry), so ``get_worker_info().id``
+inside a batch is what torch's loader would give. It deviates only to recover: a map-style
+task's values depend on its id alone, so a dead worker's tasks go straight to the least-loaded
+survivors (ahead of their prefetched work: workers run the lowest id first), and its turn is
+skipped until its replacement is ready. Stream tasks belong to one worker's shard, so a dead
+stream worker's tasks wait for its replacement.
 
 Invariants (``check_invariants``):
   * every outstanding task is in exactly one place: in the ``outstanding`` list of the live
@@ -59,7 +61,6 @@ class Dispatcher:
     ) -> None:
         self.sup = sup
         self.iterable = iterable
-        self.per_worker = max(1, prefetch_factor)
         self.limit = max(1, prefetch_factor * len(sup.slots))
         self.source = source
         self.source_done = False
@@ -68,7 +69,10 @@ class Dispatcher:
         self._backlog = backlog  # () -> results received but not yet released
         self.tasks: dict[int, Task] = {}
         self.resend: list[int] = []  # map tids owed a worker, lowest first
-        self.cycle = next_worker  # stream: the slot that gets the next new task
+        # The slot whose turn is next: a map task's id mod n (a resume continues the turns),
+        # a stream's saved next worker.
+        self.cycle = next_worker if iterable else start_tid % max(1, len(sup.slots))
+        self.recovering: set[int] = set()  # map: slots respawned this epoch, not yet ready
         self.gen = 0  # epoch generation stamped on messages
         self.epoch = 0  # the epoch, and the base seed, every EPOCH message carries
         self.base_seed = 0
@@ -89,6 +93,20 @@ class Dispatcher:
             if best is None or n < len(best.outstanding):
                 best = slot
         return best
+
+    def _in_turn(self) -> WorkerSlot | None:
+        """The map worker whose turn it is (torch's order), skipping one being replaced."""
+        slots = self.sup.slots
+        n = len(slots)
+        for step in range(n):
+            slot = slots[(self.cycle + step) % n]
+            if slot.state == READY_STATE:
+                self.recovering.discard(slot.wid)
+            elif slot.state != STARTING or slot.wid in self.recovering:
+                continue
+            self.cycle = (slot.wid + 1) % n
+            return slot
+        return None
 
     def _send(self, slot: WorkerSlot, task: Task) -> None:
         task.worker = slot.wid
@@ -115,7 +133,7 @@ class Dispatcher:
             self._fill_stream()
             return
         while not self.source_done and len(tasks) + self._backlog() < self.limit:
-            slot = self._least_loaded(self.per_worker)
+            slot = self._in_turn()
             if slot is None:
                 return
             while True:
@@ -194,6 +212,7 @@ class Dispatcher:
             running = slot.outstanding[0]
         blamed = self.tasks[running] if running is not None else None
         if not self.iterable:
+            self.recovering.add(slot.wid)
             slot.outstanding.clear()
             for tid in tids:
                 self.tasks[tid].worker = -1

@@ -598,6 +598,38 @@ def test_get_worker_info_is_none_in_main_process() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_task_i_goes_to_worker_i_mod_n_like_torch(workers: int, batch_size: int | None) -> None:
+    # Users and tests read get_worker_info().id inside a batch: while every worker is healthy
+    # the assignment is torch's (task i -> worker i mod n), also for the first batches.
+    kwargs = dict(
+        dataset=WorkerInfoDataset(20),
+        batch_size=batch_size,
+        num_workers=workers,
+        multiprocessing_context="fork",
+    )
+
+    def ids(loader) -> list:
+        if batch_size is None:
+            return [b["id"] for b in loader]
+        return [b["id"].tolist() for b in loader]
+
+    expected = ids(TorchDataLoader(**kwargs))
+    assert ids(Ours(**kwargs)) == expected
+    # A resume continues the turns where the uninterrupted run was: batch k on worker k mod n.
+    ours = Ours(**kwargs)
+    it = iter(ours)
+    for _ in range(5):
+        next(it)
+    sd = ours.state_dict()
+    ours.close()
+    resumed = Ours(**kwargs)
+    resumed.load_state_dict(sd)
+    with resumed:
+        assert ids(resumed) == expected[5:]
+
+
 # 5. errors
 
 
