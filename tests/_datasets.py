@@ -8,11 +8,14 @@ be compared batch for batch.
 
 Helpers:
     ``collect_torch_reference_garbage()``  run torch's loader first, then this, then ours.
+    ``loader_state(**overrides)``     a plain state shaped like ``DataLoader.state_dict()`` (two
+                                      stream workers, mid-epoch), for the codec and CLI tests.
 
 Datasets:
     ``make_item(i)``                  the item every dataset below yields for value ``i``: a dict
                                       of an int, a float64 tensor, an int16 numpy array and a str.
     ``RangeDataset(n, as_tuple=False)``  map-style; item i is ``make_item(i)`` (or a tuple of it).
+    ``RangeData()``                   map-style; the four ints 0..3 (item i is i).
     ``RandomAugDataset(n)``           map-style; item i draws from python ``random``, numpy's
                                       global RNG and torch's global RNG (for seeding tests).
     ``ShardedStream(n)``              IterableDataset sharded with ``get_worker_info()``: worker k
@@ -47,6 +50,7 @@ import os
 import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +63,7 @@ __all__ = [
     "FailingDataset",
     "FailingStream",
     "RandomAugDataset",
+    "RangeData",
     "RangeDataset",
     "RecordingDataset",
     "ShardedStream",
@@ -67,6 +72,8 @@ __all__ = [
     "UnevenStream",
     "VariableBatchSampler",
     "WorkerInfoDataset",
+    "collect_torch_reference_garbage",
+    "loader_state",
     "make_item",
     "read_records",
     "record_worker_init",
@@ -112,6 +119,16 @@ class RangeDataset(Dataset):
             raise IndexError(i)
         item = make_item(i)
         return (item["x"], item["idx"]) if self.as_tuple else item
+
+
+class RangeData(torch.utils.data.Dataset):
+    """Map-style, four items: item i is the int i."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return i
 
 
 class RandomAugDataset(Dataset):
@@ -333,3 +350,41 @@ def collect_torch_reference_garbage() -> None:
     import gc
 
     gc.collect()
+
+
+def loader_state(**overrides: Any) -> dict[str, Any]:
+    """A state shaped like DataLoader.state_dict(): two workers, iterable dataset, mid-epoch."""
+    state: dict[str, Any] = {
+        "format": "resumable_loader.DataLoader",
+        "version": 1,
+        "config": {
+            "dataset_kind": "iterable",
+            "dataset_len": None,
+            "batch_size": 4,
+            "drop_last": False,
+            "sampler": "SequentialSampler",
+            "num_workers": 2,
+            "world_size": 1,
+            "rank": 0,
+        },
+        "seed": 2**63 - 1,
+        "epoch": 3,
+        "consumed": 17,
+        "delivered_ahead": [19, 20],
+        "sampler_state": {"generator": b"\x01\x02" * 8, "offset": 68},
+        "outstanding": [[18, [72, 73, 74, 75]], [21, [84, 85, 86, 87]]],
+        "workers": [
+            {
+                "id": 0,
+                "delivered": 9,
+                "exhausted": False,
+                "dataset_state": {"pos": 36, "buf": b"\x00\xff" * 10, "name": "shard-0 ✓"},
+            },
+            {"id": 1, "delivered": 8, "exhausted": True, "dataset_state": None},
+        ],
+        "next_worker": 1,
+        "skipped": [[2, 7, [28, 29, 30, 31]]],
+        "stats": {"respawns": 1, "batches": 17},
+    }
+    state.update(overrides)
+    return state

@@ -9,6 +9,8 @@
 ``IteratorStateShard``            state on the iterator object instead of the dataset.
 ``StatefulSampler(n, seed)``      a user sampler with its own ``state_dict`` (epoch + position).
 ``NoStateSampler(n)``             a custom sampler without state (fast-forwarded on resume).
+``PosState``                      mixin: ``state_dict``/``load_state_dict`` of a cursor ``pos``.
+``SeqSamplerWithState(n)``        0..n-1 in order; a user sampler whose state is its position.
 """
 
 from __future__ import annotations
@@ -161,3 +163,32 @@ class NoStateSampler(Sampler[int]):
     def __iter__(self):
         yield from range(1, self.n, 2)
         yield from range(0, self.n, 2)
+
+
+class PosState:
+    """state_dict()/load_state_dict() of a cursor kept in ``self.pos``."""
+
+    pos: int
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+class SeqSamplerWithState(PosState, torch.utils.data.Sampler[int]):
+    """0..n-1 in order; its state is the position (a user sampler with state_dict)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        while self.pos < self.n:
+            self.pos += 1
+            yield self.pos - 1
+        self.pos = 0

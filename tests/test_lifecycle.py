@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from _datasets import RangeData
 from torch.utils.data import Dataset
 
 from resumable_loader import DataLoader, LoaderClosedError, WorkerCrashError
@@ -154,6 +155,23 @@ def test_a_broken_iterator_raises_its_own_error_again_not_closed() -> None:
     sd = loader.state_dict()
     assert (sd["epoch"], sd["consumed"]) == (0, 0)
     loader.close()
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exhausted_iterator_keeps_raising_stop_iteration(persistent: bool) -> None:
+    loader = DataLoader(
+        RangeData(),
+        batch_size=2,
+        num_workers=2,
+        persistent_workers=persistent,
+        multiprocessing_context="fork",
+    )
+    with loader:
+        it = iter(loader)
+        assert len(list(it)) == 2
+        with pytest.raises(StopIteration):
+            next(it)
 
 
 # ---- interrupts inside next() -----------------------------------------------------------------

@@ -8,21 +8,32 @@ this epoch and the next with the reference.
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import warnings
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
-from _datasets import RandomAugDataset, RecordingDataset, VariableBatchSampler, read_records
+from _datasets import (
+    RandomAugDataset,
+    RangeData,
+    RecordingDataset,
+    VariableBatchSampler,
+    read_records,
+)
 from _streams import (
     IteratorStateShard,
     NoStateSampler,
+    PosState,
+    SeqSamplerWithState,
     Shard,
     StatefulSampler,
     StatefulShard,
     read_values,
 )
+from torch.utils.data import IterableDataset
 
-import resumable_loader
 from resumable_loader import CheckpointError, DataLoader
 from resumable_loader.testing import canonical, check_resume, reference_stream, roundtrip_state
 
@@ -368,16 +379,105 @@ def test_stream_state_records_each_workers_dataset_state() -> None:
     assert sd["next_worker"] == 1
 
 
-def test_public_surface_is_pinned() -> None:
-    assert resumable_loader.__all__ == sorted(resumable_loader.__all__)
-    assert set(resumable_loader.__all__) == {
-        "CheckpointError",
-        "DataLoader",
-        "LoaderClosedError",
-        "LoaderStatistics",
-        "RetryPolicy",
-        "WorkerCrashError",
-        "__version__",
-        "dump_state",
-        "load_state",
-    }
+# ---- persistent workers, and damaged states ---------------------------------------------------
+class CursorOnDataset(PosState, IterableDataset):
+    """Values 0..3; the cursor (the state) lives on the dataset object, as in many datasets."""
+
+    def __init__(self, reached: Any = None) -> None:
+        self.pos = 0
+        self.reached = reached  # an Event set once the cursor has moved past item 1
+
+    def __iter__(self):
+        while self.pos < 4:
+            self.pos += 1
+            if self.pos == 2 and self.reached is not None:
+                self.reached.set()
+            yield self.pos - 1
+        self.pos = 0
+
+
+# A regression found by the fuzzers in fuzz/.
+def test_load_state_into_persistent_workers_restarts_the_dataset() -> None:
+    ctx = multiprocessing.get_context("fork")
+    prefetched = ctx.Event()
+    loader = DataLoader(
+        CursorOnDataset(prefetched),
+        batch_size=None,
+        num_workers=1,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+    )
+    with loader:
+        it = iter(loader)
+        # the worker prefetches items 0 and 1: its dataset's cursor is at 2
+        assert prefetched.wait(30), "the worker never read item 1"
+        del it
+        loader.load_state_dict(loader.state_dict())  # epoch 0, nothing consumed
+        assert list(loader) == [0, 1, 2, 3]  # got [2, 3]
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.parametrize("entry", [None, 5, "ab"])
+def test_malformed_skipped_entries_are_refused(entry: object) -> None:
+    loader = DataLoader(RangeData(), batch_size=2)
+    before = loader.state_dict()
+    damaged = dict(before, skipped=[entry])
+    with pytest.raises(CheckpointError, match="skipped"):
+        loader.load_state_dict(damaged)
+    assert loader.state_dict() == before
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.parametrize("indices", [None, [None], []])
+def test_malformed_outstanding_indices_are_refused(indices: object) -> None:
+    def make() -> DataLoader:
+        return DataLoader(RangeData(), batch_size=2, sampler=SeqSamplerWithState(4))
+
+    sd = make().state_dict()
+    # As saved after drawing batch 0 ([0, 1]) and before consuming it -- with the batch damaged.
+    damaged = dict(sd, drawn=1, sampler_state={"pos": 2}, outstanding=[[0, indices]])
+    loader = make()
+    with pytest.raises(CheckpointError, match="outstanding"):
+        loader.load_state_dict(damaged)
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("format", np.array([1, 2])),
+        ("version", torch.tensor([1, 1])),
+        ("config.batch_size", np.array([2, 2])),
+    ],
+    ids=["format-ndarray", "version-tensor", "config-ndarray"],
+)
+def test_array_valued_fields_are_refused(field: str, value: object) -> None:
+    loader = DataLoader(RangeData(), batch_size=2)
+    sd = loader.state_dict()
+    if field.startswith("config."):
+        damaged = dict(sd, config=dict(sd["config"], **{field.split(".")[1]: value}))
+    else:
+        damaged = dict(sd, **{field: value})
+    with pytest.raises(CheckpointError):
+        loader.load_state_dict(damaged)
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.parametrize("key", ["outstanding", "delivered_ahead", "sampler_done"])
+def test_state_missing_a_position_field_is_refused(key: str) -> None:
+    if key == "delivered_ahead":
+        # Batch 1 was delivered ahead of batch 0 (in_order=False); deleting the field would
+        # deliver it again.
+        loader = DataLoader(RangeData(), batch_size=1)
+        damaged = dict(loader.state_dict(), delivered_ahead=[1])
+    else:
+        # Batch 0 ([0, 1]) was drawn from the sampler and not consumed; without 'outstanding'
+        # it is lost.
+        loader = DataLoader(RangeData(), batch_size=2, sampler=SeqSamplerWithState(4))
+        damaged = dict(
+            loader.state_dict(), drawn=1, sampler_state={"pos": 2}, outstanding=[[0, [0, 1]]]
+        )
+    loader.load_state_dict(dict(damaged))  # the intact state loads
+    del damaged[key]
+    with pytest.raises(CheckpointError, match=key):
+        loader.load_state_dict(damaged)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 import warnings
 
 import pytest
 import torch
-from _datasets import RandomAugDataset
+from _datasets import RandomAugDataset, RangeData
 from _streams import Shard, StatefulShard
 
 from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
@@ -434,3 +435,148 @@ def test_sigchld_chains_to_the_previous_handler_and_restores_it(tmp_path) -> Non
         assert signal.getsignal(signal.SIGCHLD) is previous, "the previous handler was not restored"
     finally:
         signal.signal(signal.SIGCHLD, old)
+
+
+# ---- a worker's INIT_ERROR is read even when its exit is seen first ---------------------------
+def _fail_init(worker_id: int) -> None:
+    raise ValueError(f"init of worker {worker_id} is broken")
+
+
+def test_worker_init_error_is_reported_even_when_the_exit_is_seen_first() -> None:
+    """A worker sends INIT_ERROR and exits; if the main side only looks after the exit, it must
+    still read the error (CI once saw "exited with code 0" and no cause here)."""
+    loader = DataLoader(RandomAugDataset(8), batch_size=4, num_workers=1, worker_init_fn=_fail_init)
+    sup = loader._make_supervisor(0)
+    try:
+        sup.start_all()
+        slot = sup.slots[0]
+        slot.proc.join(30)
+        assert slot.proc.exitcode is not None, "the worker should have exited"
+        events = sup.poll(0)
+        dead = [data for kind, s, data in events if kind == "dead" and s is slot]
+        assert len(dead) == 1
+        _pid, _code, cause, key, _was_ready = dead[0]
+        assert (cause, key) == ("failed in worker_init_fn", "init_error")
+        assert "init of worker 0 is broken" in str(slot.init_error.exception())
+    finally:
+        sup.shutdown()
+
+
+# ---- workers hung before their first task: in worker_init_fn, or while booting -----------------
+class HangOnFirstStart:
+    """A ``worker_init_fn`` that hangs the first worker start (a stuck network mount, say)."""
+
+    def __init__(self, flag_dir: str) -> None:
+        self.flag = os.path.join(flag_dir, "started")
+
+    def __call__(self, worker_id: int) -> None:
+        if not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            time.sleep(3600)
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_hung_in_worker_init_fn_is_replaced_after_task_timeout(method: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        loader = DataLoader(
+            RangeData(),
+            batch_size=2,
+            num_workers=1,
+            multiprocessing_context=method,
+            worker_init_fn=HangOnFirstStart(d),
+            task_timeout=0.5,
+            timeout=60,  # a watchdog for this test: raises instead of hanging
+        )
+        with loader:
+            got = [b.tolist() for b in loader]
+            stats = loader.statistics()
+    assert got == [[0, 1], [2, 3]]
+    assert stats.respawns_by_cause == {"hang": 1}
+
+
+def _hang(worker_id: int) -> None:
+    time.sleep(3600)
+
+
+# A regression found by the fuzzers in fuzz/.
+def test_worker_init_fn_hanging_every_time_is_a_start_failure_not_a_poison_sample() -> None:
+    loader = DataLoader(
+        RangeData(),
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=_hang,
+        task_timeout=0.3,
+        timeout=60,
+    )
+    with pytest.raises(WorkerCrashError, match="failed to start 3 times") as info:
+        list(loader)
+    text = str(info.value)
+    assert "hung in worker_init_fn (not ready after 0.3 s: task_timeout)" in text
+    assert "raise task_timeout" in text
+    assert "gave up on" not in text and "__main__" not in text
+
+
+class HangWhileUnpickledFirst(RangeData):
+    """Unpickling it hangs the first time: a worker stuck before it runs any of our code (an
+    import from a stalled network filesystem, say)."""
+
+    def __init__(self, flag_dir: str) -> None:
+        self.flag = os.path.join(flag_dir, "unpickled")
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            time.sleep(3600)
+
+
+# A regression found by the fuzzers in fuzz/.
+def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resumable_loader._supervisor as sup
+
+    # A spawn boot takes one to two seconds here; six leaves room on a loaded machine.
+    monkeypatch.setattr(sup, "BOOT_TIMEOUT_S", 6.0)
+    with tempfile.TemporaryDirectory() as d:
+        loader = DataLoader(
+            HangWhileUnpickledFirst(d),
+            batch_size=2,
+            num_workers=1,
+            multiprocessing_context="spawn",
+            task_timeout=0.5,
+            timeout=60,
+        )
+        with loader:
+            got = [b.tolist() for b in loader]
+            stats = loader.statistics()
+    assert got == [[0, 1], [2, 3]]
+    assert stats.respawns_by_cause == {"hang": 1}
+
+
+# ---- blame, with real processes (the decision itself: test_recovery.py, test_dispatch.py) -------
+@pytest.mark.parametrize("action", ["sigkill", "stop"])
+def test_a_task_re_sent_to_a_dying_worker_is_not_blamed_for_its_death(tmp_path, action) -> None:
+    # Sample 10 (task 2) crashes its worker twice, then loads; sample 14 (task 3, on the other
+    # worker) crashes once. Task 2 was re-sent to the worker already running task 3; that
+    # death was blamed on the lowest id held (2), so task 2 reached max_task_attempts=3 after
+    # two real crashes and was given up as poison. (Found by tests/test_crash_table.py.)
+    from _datasets import RandomAugDataset
+
+    from resumable_loader.testing import Fault, FaultyDataset, canonical
+
+    gen = torch.Generator().manual_seed(42)
+    ref = [canonical(b) for b in DataLoader(RandomAugDataset(24), batch_size=4, generator=gen)]
+    faults = {10: Fault(action, attempts=frozenset({0, 1})), 14: Fault(action)}
+    loader = DataLoader(
+        FaultyDataset(RandomAugDataset(24), faults, tmp_path),
+        batch_size=4,
+        num_workers=2,
+        generator=torch.Generator().manual_seed(42),
+        multiprocessing_context="fork",
+        task_timeout=1.0 if action == "stop" else None,
+    )
+    with loader:
+        got = [canonical(b) for b in loader]
+        assert loader.statistics().respawns == 3
+    assert got == ref
