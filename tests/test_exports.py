@@ -66,18 +66,3 @@ def test_the_testing_module_exports_exactly_its_tools() -> None:
     assert resumable_loader.testing.__all__ == TESTING == sorted(TESTING)
     for name in TESTING:
         assert hasattr(resumable_loader.testing, name), name
-
-
-def test_public_surface_is_pinned() -> None:
-    assert resumable_loader.__all__ == sorted(resumable_loader.__all__)
-    assert set(resumable_loader.__all__) == {
-        "CheckpointError",
-        "DataLoader",
-        "LoaderClosedError",
-        "LoaderStatistics",
-        "RetryPolicy",
-        "WorkerCrashError",
-        "__version__",
-        "dump_state",
-        "load_state",
-    }
