@@ -481,12 +481,17 @@ def _retire(cursor: Cursor, sup: Supervisor, owns_sup: bool, pin: PinStage | Non
             sup.shutdown()
 
 
-def _next_stream_worker(disp: Dispatcher, reorder: ReorderBuffer) -> int:
-    """The worker whose batch the caller gets next (round-robin continues from it)."""
+def _next_stream_worker(disp: Dispatcher, reorder: ReorderBuffer, pin: PinStage | None) -> int:
+    """The worker whose batch the caller gets next (round-robin continues from it): that of the
+    lowest task not yet delivered, wherever it is -- outstanding, in the pin thread, or
+    buffered for its turn."""
     best_tid, best_w = None, disp.cycle
     for tid, task in disp.tasks.items():
         if best_tid is None or tid < best_tid:
             best_tid, best_w = tid, task.worker
+    for tid, worker in pin.held().items() if pin is not None else ():
+        if (best_tid is None or tid < best_tid) and worker is not None:
+            best_tid, best_w = tid, worker
     for tid, item in reorder.items():
         if (best_tid is None or tid < best_tid) and item[2] is not None:
             best_tid, best_w = tid, item[2][0]
@@ -500,6 +505,7 @@ def _pipeline_position(
     disp: Dispatcher,
     drawn: dict[int, Any],
     ledger: _StreamLedger | None,
+    pin: PinStage | None,
 ) -> S.ResumePoint:
     """The position of a multi-process epoch, from the stages that know it."""
     rp = S.ResumePoint(
@@ -518,7 +524,7 @@ def _pipeline_position(
     if ledger is not None:
         rp.ahead = frozenset()
         rp.workers = ledger.export()
-        rp.next_worker = _next_stream_worker(disp, reorder)
+        rp.next_worker = _next_stream_worker(disp, reorder, pin)
     return rp
 
 
@@ -635,7 +641,14 @@ class _MultiProcessIter(_BaseIter):
                         self._drawn[tid] = indices
         self._cursor.bind(
             functools.partial(
-                _pipeline_position, self.epoch, self._plan, reorder, disp, self._drawn, self._ledger
+                _pipeline_position,
+                self.epoch,
+                self._plan,
+                reorder,
+                disp,
+                self._drawn,
+                self._ledger,
+                self._pin,
             )
         )
         for slot in sup.slots:

@@ -65,7 +65,9 @@ class PinStage:
         self._fork_lock = fork_lock
         self._pin = pin_fn
         self._device_index = device_index
-        self.in_flight = 0
+        # Submitted and not drained yet: task id -> the stream worker it came from (None for
+        # map-style). A checkpoint needs the lowest of them: it may be the next batch out.
+        self._held: dict[int, int | None] = {}
         self._thread = threading.Thread(target=self._run, name="resumable_loader-pin", daemon=True)
         self._thread.start()
 
@@ -73,8 +75,17 @@ class PinStage:
     def wake_fd(self) -> int:
         return self._r
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._held)
+
+    def held(self) -> dict[int, int | None]:
+        """The items in the pin thread: task id -> the stream worker it came from."""
+        return self._held
+
     def submit(self, tid: int, item: Any) -> None:
-        self.in_flight += 1
+        extra = item[2]
+        self._held[tid] = extra[0] if extra is not None else None
         self._in.put((tid, item))
 
     def drain(self) -> list[tuple[int, Any]]:
@@ -85,8 +96,9 @@ class PinStage:
             pass
         out = []
         while self._out:
-            out.append(self._out.popleft())
-        self.in_flight -= len(out)
+            tid, item = self._out.popleft()
+            self._held.pop(tid, None)
+            out.append((tid, item))
         return out
 
     def _run(self) -> None:
