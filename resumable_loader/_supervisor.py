@@ -312,6 +312,7 @@ class Supervisor:
             # main process's to handle. A worker ignores SIGINT once it runs our code; blocked
             # until then (the mask survives fork and exec), a Ctrl-C during its start cannot
             # kill it with a traceback, and is discarded when the worker ignores it.
+            self._start_mp_helpers()
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 proc.start()
@@ -331,6 +332,24 @@ class Supervisor:
         slot.busy_since = time.monotonic()
         self._watch(result_r.fileno(), "conn", slot)
         self._watch(proc.sentinel, "sentinel", slot)
+
+    def _start_mp_helpers(self) -> None:
+        """Start multiprocessing's own helpers before SIGINT is blocked around a start.
+
+        The resource tracker's first start unblocks SIGINT when it is done (it blocks and
+        unblocks around its own spawn), which would undo our block. The fork server is not
+        started under the block either: it, and every process it forks for anyone, would keep
+        SIGINT blocked. So a forkserver worker is unprotected for the moment between the fork
+        server's fork and worker_main (the README says so).
+        """
+        method = self.ctx.get_start_method()
+        if method == "fork":
+            return
+        from multiprocessing import forkserver, resource_tracker
+
+        resource_tracker.ensure_running()
+        if method == "forkserver":
+            forkserver.ensure_running()
 
     def respawn(self, slot: WorkerSlot) -> None:
         """Start a replacement process for a DEAD slot (same worker id, same seeds)."""
