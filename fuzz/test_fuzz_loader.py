@@ -25,7 +25,15 @@ Rules:
   persistence / start method) or in the same loader via ``load_state_dict``;
 * ``rewind``: go back to an earlier checkpoint, in a fresh loader;
 * ``new_epoch``: ``iter(loader)`` again, abandoning the rest of the epoch where the next epoch
-  is then still well defined (else the epoch is finished first).
+  is then still well defined (else the epoch is finished first);
+* ``abandon``: leave the loop the ways training loops do (issue #9) -- ``break`` after 1-3
+  batches, ``islice`` over the iterator, ``for batch in islice(loader, j)`` (a new ``iter()``:
+  the next epoch), an exception or ``KeyboardInterrupt`` raised in the loop body, or
+  ``del it`` -- and drop the iterator.
+  Then ``state_dict()`` must still describe exactly what it delivered, and non-persistent
+  workers must be gone (a bounded wait, no garbage collection); then either checkpoint (a
+  fresh loader, or ``load_state_dict`` on the same one, which continues the saved position)
+  or call ``iter(loader)``, which starts the next epoch (torch's meaning).
 
 The model is the uninterrupted reference run (computed lazily, one epoch at a time: with
 ``num_workers=0`` for map-style datasets, whose values do not depend on the workers; with the
@@ -36,12 +44,13 @@ repeated, nothing changed. ``state_dict()`` must agree with the model after ever
 the loader's own ``check_invariants()`` must hold. Teardown closes every loader and fails the
 example if a child process, a ``resumable_loader*`` thread, an fd or a /dev/shm entry is left.
 
-Known bugs are steered around (each place names its test in tests/test_fuzz_regressions.py).
+Known bugs are steered around (each place names its regression test under tests/).
 Example counts: 200 per machine under the ``ci`` profile, 5000 under ``long`` (fuzz/README.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -94,6 +103,8 @@ WATCHDOG_S = 30.0
 MAX_TASK_ATTEMPTS = 50
 RETRY = RetryPolicy(attempts=40, backoff_s=0.0)
 TASK_TIMEOUT_S = 0.5
+# How long non-persistent workers may take to end after their iterator is dropped.
+RELEASE_S = 10.0
 
 pytestmark = pytest.mark.filterwarnings(
     # The plain stream is fast-forwarded on resume, by design; the warning says so.
@@ -242,6 +253,10 @@ def traced(fn: Callable[..., None]) -> Callable[..., None]:
             raise
 
     return step
+
+
+class _LeftTheLoop(Exception):
+    """Raised by a loop body of the ``abandon`` rule (a training step that failed)."""
 
 
 # ---- the model ----------------------------------------------------------------------------------
@@ -468,6 +483,8 @@ class _LoaderModel(RuleBasedStateMachine):
         sd = self.loader.state_dict()
         p = self.pos
         epoch, consumed = (p.epoch + 1, 0) if p.stopped else (p.epoch, p.consumed)
+        if self._at_epoch_end(sd):
+            epoch, consumed = p.epoch + 1, 0
         assert sd["epoch"] == epoch, ("state_dict()['epoch']", sd["epoch"], "expected", epoch)
         if self.cfg.stream:
             delivered = sum(w["delivered"] for w in sd["workers"])
@@ -479,6 +496,18 @@ class _LoaderModel(RuleBasedStateMachine):
                 "expected in all",
                 consumed,
             )
+
+    def _at_epoch_end(self, sd: dict[str, Any]) -> bool:
+        """Every batch of the epoch was delivered, StopIteration not yet seen, and the state
+        already says "the start of the next epoch": README, "A state taken after the last
+        batch, before StopIteration" (the loader may say so when it knows the epoch is over;
+        otherwise it says "all batches of this epoch delivered")."""
+        p = self.pos
+        return (
+            not p.stopped
+            and sd["epoch"] == p.epoch + 1
+            and p.consumed == len(self._reference(p.epoch))
+        )
 
     # ---- actions (the rules of the machines below call these) --------------------------
     def do_take(self, k: int) -> None:
@@ -501,7 +530,7 @@ class _LoaderModel(RuleBasedStateMachine):
         live = [pid for pid in worker_pids(self.loader) if pid > 0 and pid in ours]
         if sig == "SIGSTOP":
             # A worker stopped before it booted is found only after BOOT_TIMEOUT_S (a minute);
-            # tests/test_fuzz_regressions.py::test_worker_hung_while_booting_is_replaced
+            # tests/test_supervisor.py::test_worker_hung_while_booting_is_replaced
             # covers that with a shorter limit.
             live = [pid for pid in live if pid in self._booted_worker_pids()]
         if not live:
@@ -550,6 +579,8 @@ class _LoaderModel(RuleBasedStateMachine):
         if via != "json":
             json.dumps(sd)  # our datasets' states are json-able, so the whole state must be
         at = replace(self.pos)
+        if self._at_epoch_end(sd):
+            at.stopped = True  # the state resumes as if StopIteration had been seen
         if keep:
             self.checkpoints.append((sd, at))
         opts = self.opts
@@ -590,6 +621,106 @@ class _LoaderModel(RuleBasedStateMachine):
             return self.opts.num_workers > 0 and not self.opts.persistent
         return True
 
+    # ---- leaving the loop (issue #9) ----------------------------------------------------
+    def _got(self, batch: Any) -> None:
+        """A batch the caller's own loop received."""
+        self._check_batch(canonical(batch))
+        self.loader_batches += 1
+
+    def _leave(self, it: Any, how: str, j: int) -> None:
+        """Consume up to ``j`` batches of ``it`` as a loop shaped ``how`` does, then stop."""
+        # A `for` loop can only break or raise once it has received a batch: j=0 acts as 1.
+        if how == "break":
+            for n, batch in enumerate(it, 1):
+                self._got(batch)
+                if n >= j:
+                    break
+            else:
+                self._check_stop()
+        elif how == "islice":
+            n = 0
+            for batch in itertools.islice(it, j):
+                self._got(batch)
+                n += 1
+            if n < j:
+                self._check_stop()
+        elif how in ("raise", "interrupt"):
+            exc = _LeftTheLoop if how == "raise" else KeyboardInterrupt
+            try:
+                for n, batch in enumerate(it, 1):
+                    self._got(batch)
+                    if n >= j:
+                        raise exc(f"the loop body raised after {n} batches")
+                self._check_stop()
+            except exc:
+                pass
+        elif how == "del":
+            for _ in range(j):
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    self._check_stop()
+                    break
+                self._got(batch)
+        else:
+            raise ValueError(how)
+
+    def _live_workers(self) -> set[int]:
+        ours = {c.pid for c in psutil.Process().children()}
+        return {pid for pid in worker_pids(self.loader) if pid > 0 and pid in ours}
+
+    def _check_released(self, pids: set[int]) -> None:
+        """Non-persistent workers end once their iterator is dropped: the position the loader
+        keeps is plain data. Polls the kernel's view (bounded); never runs the collector."""
+        deadline = time.monotonic() + RELEASE_S
+        while True:
+            left = pids & {c.pid for c in psutil.Process().children()}
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(
+                    f"workers {sorted(left)} still alive {RELEASE_S:.0f} s after their "
+                    "(non-persistent) iterator was dropped"
+                )
+            time.sleep(0.01)
+
+    def do_abandon(
+        self, how: str, j: int, then: str, via: str, fresh: bool, keep: bool, data: Any
+    ) -> None:
+        if then == "next_epoch" and not self._can_abandon():
+            self.trace[-1] += " -> finishing the epoch first"
+            while not self.pos.stopped:
+                self._next()
+        if how == "islice_loader":
+            # `for batch in islice(loader, j)` calls iter(loader): the current iterator is
+            # dropped and the next epoch begins (torch's meaning).
+            if not self._can_abandon():
+                self.trace[-1] += " -> finishing the epoch first"
+                while not self.pos.stopped:
+                    self._next()
+            self.it = None
+            self.pos = self.pos.next_epoch()
+            it = iter(self.loader)
+            how = "islice"
+            if then == "next_epoch" and not self._can_abandon():
+                then = "checkpoint"  # this epoch, left early, has no well-defined successor
+        else:
+            it, self.it = self.it, None
+        watched = set() if self.opts.persistent else self._live_workers()
+        if not self.pos.stopped:
+            self._leave(it, how, j)
+        del it
+        p = self.pos
+        self.trace[-1] += f" -> left at {p.epoch}/{p.consumed}{' (ended)' if p.stopped else ''}"
+        if watched:
+            self._check_released(watched)
+        self._check_state()  # the position outlives the iterator
+        if then == "checkpoint":
+            self.do_checkpoint(via, fresh, keep, data)
+        else:
+            self.it = iter(self.loader)
+            self.pos = self.pos.next_epoch()
+
     def do_new_epoch(self) -> None:
         if not self._can_abandon():
             self.trace[-1] += " -> finishing the epoch first"
@@ -611,6 +742,9 @@ class _LoaderModel(RuleBasedStateMachine):
 
 VIAS = st.sampled_from(["dict", "bytes", "torch", "json"])
 SIGNALS = st.sampled_from(["SIGKILL", "SIGSEGV", "SIGSTOP"])
+# How a training loop is left, and what follows (see ``do_abandon``).
+LEAVE_WAYS = st.sampled_from(["break", "islice", "islice_loader", "raise", "interrupt", "del"])
+AFTER_LEAVING = st.sampled_from(["checkpoint", "next_epoch"])
 
 
 class LoaderMachine(_LoaderModel):
@@ -650,6 +784,21 @@ class LoaderMachine(_LoaderModel):
     @traced
     def new_epoch(self) -> None:
         self.do_new_epoch()
+
+    @rule(
+        how=LEAVE_WAYS,
+        j=st.integers(0, 3),
+        then=AFTER_LEAVING,
+        via=VIAS,
+        fresh=st.booleans(),
+        keep=st.booleans(),
+        data=st.data(),
+    )
+    @traced
+    def abandon(
+        self, how: str, j: int, then: str, via: str, fresh: bool, keep: bool, data: Any
+    ) -> None:
+        self.do_abandon(how, j, then, via, fresh, keep, data)
 
 
 class KillMachine(_LoaderModel):
@@ -696,6 +845,21 @@ class KillMachine(_LoaderModel):
     @traced
     def new_epoch(self) -> None:
         self.do_new_epoch()
+
+    @rule(
+        how=LEAVE_WAYS,
+        j=st.integers(0, 3),
+        then=AFTER_LEAVING,
+        via=VIAS,
+        fresh=st.booleans(),
+        keep=st.booleans(),
+        data=st.data(),
+    )
+    @traced
+    def abandon(
+        self, how: str, j: int, then: str, via: str, fresh: bool, keep: bool, data: Any
+    ) -> None:
+        self.do_abandon(how, j, then, via, fresh, keep, data)
 
 
 _SETTINGS = settings(
