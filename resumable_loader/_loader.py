@@ -629,6 +629,7 @@ class _MultiProcessIter(_BaseIter):
             on_poison=loader.on_poison,
             counters=self._counters,
             start_method=sup.ctx.get_start_method(),
+            transient=tuple(loader.retry.exceptions) if loader.retry is not None else (),
         )
         self._drawn: dict[int, Any] = {}
         if self._stateful_sampler:

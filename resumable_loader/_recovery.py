@@ -8,6 +8,9 @@ decides what follows and carries it out on the supervisor and the dispatcher:
                        on_poison="raise": a WorkerCrashError at its position in the stream
                        on_poison="skip":  a skipped task, with a warning
                        (a stream's shard cannot get past it: that worker's stream ends here)
+                 ──► a start that failed with an exception of the user's (worker_init_fn, or
+                     restoring the stream): raised as the user's own error, as torch does --
+                     unless the RetryPolicy names it as transient, then it counts as below
                  ──► start failures: at max_task_attempts in a row, the epoch is broken
                  ──► respawn the same worker id (a respawn storm is fatal), send it the epoch,
                      re-send its tasks (map-style tasks go to any ready worker at once)
@@ -27,7 +30,7 @@ from ._dispatch import Dispatcher, Task
 from ._errors import WorkerCrashError
 from ._stats import Counters
 from ._supervisor import DeathReport, WorkerSlot
-from ._worker import END
+from ._worker import END, WorkerError
 
 log = logging.getLogger("resumable_loader")
 
@@ -46,7 +49,7 @@ class Outcome:
     """
 
     deliver: list[tuple[int, Any]] = field(default_factory=list)
-    fatal: WorkerCrashError | None = None
+    fatal: BaseException | None = None
 
 
 def torch_words(report: DeathReport) -> str:
@@ -83,6 +86,8 @@ class Recovery:
         on_poison: "raise" or "skip".
         counters: the loader's statistics counters.
         start_method: the multiprocessing start method (for advice in errors).
+        transient: exception types a RetryPolicy names: a worker_init_fn raising one of these
+            is started again (a failed start); any other is raised as it is.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class Recovery:
         on_poison: str,
         counters: Counters,
         start_method: str,
+        transient: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.sup = sup
         self.disp = disp
@@ -105,12 +111,18 @@ class Recovery:
         self.on_poison = on_poison
         self.counters = counters
         self.start_method = start_method
+        self.transient = transient
 
     def on_death(self, slot: WorkerSlot, report: DeathReport) -> Outcome:
         out = Outcome()
         blamed, tids = self.disp.on_death(slot)
         if not report.was_ready:
             # It never ran a task: its start failed, and no task is to blame.
+            if slot.init_error is not None and not self._is_transient(slot.init_error):
+                # The user's code raised: a bug report, not a crash. Raised as torch does,
+                # with its type, message and the worker's traceback; no respawn.
+                out.fatal = slot.init_error.exception()
+                return out
             slot.start_failures += 1
             where = f" while starting (holding {describe(blamed, self.iterable)})" if blamed else ""
             blamed = None
@@ -143,6 +155,9 @@ class Recovery:
                 self.disp.resend_stream(slot)
         self._log_resent(slot, report, [t for t in tids if t in self.disp.tasks])
         return out
+
+    def _is_transient(self, err: WorkerError) -> bool:
+        return err.exc_type is not None and issubclass(err.exc_type, self.transient)
 
     def _failed_start(self, slot: WorkerSlot, report: DeathReport, line: str) -> WorkerCrashError:
         if report.key == "hang":

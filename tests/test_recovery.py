@@ -129,22 +129,38 @@ def test_the_third_death_on_one_task_makes_it_poison(on_poison: str) -> None:
         assert status == SKIPPED and payload[:2] == (0, [0, 1]) and "(skipped)" in payload[2]
 
 
-def test_failed_starts_blame_no_task_and_end_the_epoch_at_the_limit() -> None:
+def _init_error(exc: BaseException) -> WorkerError:
+    try:
+        raise exc
+    except BaseException:
+        return WorkerError("in worker_init_fn of DataLoader worker 1")
+
+
+def test_a_worker_init_fn_error_is_raised_as_the_users_own_at_once() -> None:
     sup, disp, recovery, _ = pipeline()
     w1 = sup.slots[1]
-    try:
-        raise ValueError("worker_init_fn: no GPU here")
-    except ValueError:
-        w1.init_error = WorkerError("in worker_init_fn of DataLoader worker 1")
+    w1.init_error = _init_error(ValueError("worker_init_fn: bad config"))
+    out = recovery.on_death(w1, die(sup, w1, ready=False, key="init_error"))
+    assert type(out.fatal) is ValueError and "bad config" in str(out.fatal)
+    assert "Traceback" in str(out.fatal.__cause__)
+    assert sup.respawned == []  # a bug report is not a crash: nothing is retried
+    assert all(t.failures == [] for t in disp.tasks.values())
+
+
+def test_transient_failed_starts_blame_no_task_and_end_the_epoch_at_the_limit() -> None:
+    sup, disp, recovery, _ = pipeline()
+    recovery.transient = (OSError,)  # a RetryPolicy's exceptions
+    w1 = sup.slots[1]
+    w1.init_error = _init_error(ConnectionError("worker_init_fn: no data server"))
     for attempt in range(3):
         out = recovery.on_death(w1, die(sup, w1, ready=False, key="init_error"))
         if attempt < 2:
             assert out.fatal is None
     assert all(t.failures == [] for t in disp.tasks.values())  # no task is to blame
-    assert out.fatal is not None
+    assert isinstance(out.fatal, WorkerCrashError)
     assert "failed to start 3 times in a row" in str(out.fatal)
-    assert isinstance(out.fatal.__cause__, ValueError)
-    assert "no GPU here" in str(out.fatal.__cause__)
+    assert isinstance(out.fatal.__cause__, ConnectionError)
+    assert "no data server" in str(out.fatal.__cause__)
     assert sup.respawned == [1, 1]  # not a third time: the epoch is over
 
 

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from _datasets import RandomAugDataset, RangeData
+from _datasets import RandomAugDataset, RangeData, collect_torch_reference_garbage
 from _streams import Shard, StatefulShard
 
 from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
@@ -273,6 +273,7 @@ def test_worker_init_fn_failure_is_retried(tmp_path) -> None:
         num_workers=2,
         generator=gen(),
         worker_init_fn=FlakyInit(str(tmp_path / "n"), wid=1, times=1),
+        retry=RetryPolicy(),  # names OSError (ConnectionError's base) as transient
     )
     assert [canonical(b) for b in loader] == reference()
     assert loader.statistics().respawns_by_cause["init_error"] == 1
@@ -284,12 +285,37 @@ def test_worker_init_fn_failing_every_time_raises_with_its_traceback(tmp_path) -
         batch_size=BS,
         num_workers=2,
         worker_init_fn=FlakyInit(str(tmp_path / "n"), wid=None, times=100),
+        retry=RetryPolicy(),
     )
     with pytest.raises(WorkerCrashError, match="failed to start 3 times") as info:
         list(loader)
     assert isinstance(info.value.__cause__, ConnectionError)
     assert "data server" in str(info.value.__cause__)
     # The loader is broken, but its state still says what was consumed.
+    assert loader.state_dict()["consumed"] == 0
+    loader.close()
+
+
+def _init_bug(worker_id: int) -> None:
+    raise ValueError(f"worker_init_fn has a bug (worker {worker_id})")
+
+
+def test_worker_init_fn_raising_is_raised_as_torch_does_not_retried() -> None:
+    # An exception from user code is a bug report, not a crash: raised at once, with its type,
+    # its message and the worker's traceback; no respawn (no RetryPolicy names ValueError).
+    kw = dict(dataset=RandomAugDataset(N), batch_size=BS, num_workers=2, worker_init_fn=_init_bug)
+    with pytest.raises(ValueError) as theirs:
+        list(torch.utils.data.DataLoader(**kw))
+    their_type = type(theirs.value)
+    del theirs
+    collect_torch_reference_garbage()
+    loader = DataLoader(**kw, retry=RetryPolicy())
+    with pytest.raises(ValueError, match="worker_init_fn has a bug") as ours:
+        list(loader)
+    assert type(ours.value) is their_type
+    assert "in worker_init_fn of DataLoader worker" in str(ours.value)
+    assert "Traceback" in str(ours.value.__cause__)  # the worker's own frames
+    assert loader.statistics().respawns == 0
     assert loader.state_dict()["consumed"] == 0
     loader.close()
 
