@@ -173,7 +173,13 @@ def remove_orphaned_shm(pid: int) -> int:
     from it was mapped on receipt, and results still in flight are discarded with its socket.
     """
     removed = 0
+    in_use = _mapped_shm_paths()
     for path in glob.glob(f"/dev/shm/torch_{pid}_*"):
+        if path in in_use:
+            # Under the file_system strategy a name lives while the segment is in use: this
+            # process still maps a batch that worker sent. torch unlinks it when the last
+            # mapping goes, and aborts the process if someone unlinked it first.
+            continue
         try:
             os.unlink(path)
             removed += 1
@@ -182,6 +188,20 @@ def remove_orphaned_shm(pid: int) -> int:
     if removed:
         log.debug("removed %d orphaned shared-memory segments of dead worker pid %d", removed, pid)
     return removed
+
+
+def _mapped_shm_paths() -> set[str]:
+    """The /dev/shm paths this process has mapped now (from /proc/self/maps)."""
+    paths = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                start = line.find("/dev/shm/")
+                if start >= 0:
+                    paths.add(line[start:].rstrip("\n").removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return paths
 
 
 class DeathReport(NamedTuple):

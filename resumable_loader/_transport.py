@@ -11,18 +11,36 @@ send cannot stall it either.
 Frame: header ``<II`` (payload length, number of fds) sent with the fds attached, then the
 pickled payload. Storages of at most ``INLINE_MAX`` bytes are copied into the payload instead:
 for small batches that is cheaper than passing and mapping an fd.
+
+Memory: a batch has one owner at a time. Nothing on the send path may form a reference cycle
+with the batch: the pickler's memo holds every object it pickled until the pickler dies, so a
+pickler kept alive by a cycle would keep the batch -- and its /dev/shm segment -- until Python's
+cycle collector happened to run (issue #16: 42 segments mapped per worker). Hence the storage
+reducer is a ``functools.partial`` over an ``_Outbox``, never a bound method of the pickler.
+
+A full /dev/shm: when a storage cannot get shared memory (torch raises "unable to allocate
+shared memory(shm) ... No space left on device"; its allocator reserves the pages with
+posix_fallocate, so a full tmpfs fails here and cannot SIGBUS later), the storage is copied into
+the message instead and rebuilt by ``_rebuild_fallback_storage``, which on the main side also
+warns, once per process, with the numbers the worker saw. ``ShmPolicy`` keeps a worker from
+trying /dev/shm batch after batch while it stays full. The frame is the same either way.
 """
 
 from __future__ import annotations
 
 import array
+import errno
+import functools
 import io
 import os
+import pickle
 import socket
 import struct
+import sys
 import threading
+import warnings
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,8 +52,18 @@ FDS_PER_MSG = 250
 INLINE_MAX = 32 * 1024
 _RECV_CHUNK = 1 << 20
 _ANC_SPACE = socket.CMSG_SPACE(FDS_PER_MSG * array.array("i").itemsize)
+# Where torch's shm_open() segments live (both sharing strategies) on Linux.
+SHM_DIR = "/dev/shm"
+# After a failed shared-memory allocation a worker sends its next 1, 2, 4, ... batches (doubling
+# while failures go on) without trying /dev/shm: a failed attempt costs an fallocate that fills
+# the tmpfs and is rolled back, and a map-style batch is then read a second time. 64 batches is
+# a few seconds of a typical epoch: /dev/shm is tried again soon after it has room.
+SHM_BACKOFF_MAX = 64
 
 _tls = threading.local()
+# The main process warns once about a full /dev/shm: one line that says what to change is
+# useful, the same line per batch for a week is not.
+_shm_warned = False
 
 
 def _rebuild_fd_storage(index: int, nbytes: int) -> torch.UntypedStorage:
@@ -55,52 +83,260 @@ def _rebuild_empty_storage() -> torch.UntypedStorage:
     return torch.UntypedStorage(0)
 
 
+def _rebuild_fallback_storage(data: bytearray, note: tuple[Any, ...]) -> torch.UntypedStorage:
+    """A storage that could not get shared memory in the worker and came inline instead.
+
+    ``data`` is already a fresh bytearray (unpickled from the payload): the storage borrows it,
+    no second copy. The main side notes the fallback, and ``Receiver._decode`` warns once the
+    whole message is in, with the size of the batch.
+    """
+    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    pending = getattr(_tls, "fallback", None)
+    if pending is None:  # unpickled outside a Receiver: warn for this storage alone
+        _warn_shm(len(data), ShmNote(*note))
+    else:
+        pending.append((len(data), note))
+    return storage
+
+
+class ShmNote(NamedTuple):
+    """What a worker saw when it could not (or chose not to) use /dev/shm; plain data."""
+
+    reason: str
+    total: int  # /dev/shm's size in bytes (0: unknown)
+    used: int  # bytes in use there at the time
+    pid: int  # the worker
+
+
+def _shm_usage() -> tuple[int, int]:
+    """(size, bytes in use) of /dev/shm; (0, 0) if it cannot be read."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0, 0
+    return st.f_blocks * st.f_frsize, (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _shm_free() -> int:
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return sys.maxsize  # unknown: let the allocation itself say
+    return st.f_bavail * st.f_frsize
+
+
+def shm_exhausted(exc: BaseException) -> bool:
+    """Whether ``exc`` says that /dev/shm is full (and nothing else is wrong).
+
+    torch's allocator raises RuntimeError("unable to allocate shared memory(shm) for file
+    </torch_...>: No space left on device (28)"); both its mention of shared memory or a torch
+    segment and ENOSPC are required, so that a full disk under a dataset is not taken for it.
+    """
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOSPC and str(exc.filename or "").startswith(SHM_DIR)
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return ("shared memory" in text or "</torch_" in text) and "No space left on device" in text
+
+
+class ShmPolicy:
+    """A worker's use of /dev/shm, batch by batch.
+
+    ``allow()`` before each batch says whether it may use shared memory (be collated into it,
+    have its storages shared). It may not for a few batches after a failure (see
+    SHM_BACKOFF_MAX), nor when /dev/shm has less room left than the last large batch needed:
+    that allocation would fail too, after filling the tmpfs for nothing (one statvfs, about a
+    microsecond, and only once batches have needed shared memory). Such a batch goes inline,
+    so the worker never waits and nothing is lost; another process freeing its segments soon
+    lets the next batch through /dev/shm again.
+
+    Invariant: ``note`` is None until the first refusal or failure, then the latest one.
+    """
+
+    def __init__(self) -> None:
+        self._skip = 0  # batches still to send without trying /dev/shm
+        self._backoff = 0  # the length of the current run of skips (0: no failure pending)
+        self._need = 0  # bytes of shared memory the last large batch needed
+        self._failed_now = False
+        self._sent_any = False
+        self.note: ShmNote | None = None
+
+    def allow(self) -> bool:
+        """Whether the next batch may use /dev/shm. Call once per batch."""
+        self._failed_now = False
+        if self._skip:
+            self._skip -= 1
+            return False
+        if self._need:
+            free = _shm_free()
+            if free < self._need:
+                total, used = _shm_usage()
+                reason = f"only {_mib(free)} free, and the last batch needed {_mib(self._need)}"
+                self.note = ShmNote(reason, total, used, os.getpid())
+                return False
+        return True
+
+    @property
+    def large(self) -> bool:
+        """Whether batches need shared memory (as far as known: true until one was sent)."""
+        return self._need > 0 or not self._sent_any
+
+    def failed(self, exc: BaseException) -> None:
+        """An allocation in /dev/shm failed for lack of room (``shm_exhausted(exc)``)."""
+        self._failed_now = True
+        self._backoff = min(SHM_BACKOFF_MAX, self._backoff * 2 or 1)
+        self._skip = self._backoff
+        total, used = _shm_usage()
+        self.note = ShmNote(str(exc), total, used, os.getpid())
+
+    def sent(self, out: _Outbox) -> None:
+        """After a message went out: learn how much shared memory a batch needs."""
+        need = out.shared_bytes + out.fallback_bytes
+        self._sent_any = True
+        if need:
+            self._need = need
+        if out.shared_bytes and not self._failed_now:
+            self._backoff = 0  # /dev/shm worked again: a new failure starts a new backoff
+
+
+class _Outbox:
+    """One message's pickling: the fds to attach and how its storages travel.
+
+    It must not refer to the pickler (see the module docstring): the pickler's dispatch table
+    refers to it.
+    """
+
+    __slots__ = ("fallback_bytes", "fds", "lent", "policy", "shared_bytes", "shm")
+
+    def __init__(self, fds: list[int], shm: bool, policy: ShmPolicy | None) -> None:
+        self.fds = fds
+        self.shm = shm  # large storages may go through /dev/shm
+        self.policy = policy
+        self.shared_bytes = 0
+        self.fallback_bytes = 0
+        # file_system storages whose segment torch's reducer took a reference on for the
+        # receiver (its unpickling gives it back): given back here if the message is not sent.
+        self.lent: list[torch.UntypedStorage] = []
+
+    def unsent(self) -> None:
+        """The message did not reach the receiver: return the references taken for it, or
+        their segments would stay in /dev/shm until the shm manager exits with this run."""
+        lent, self.lent = self.lent, []
+        for storage in lent:
+            storage._shared_decref()
+
+
+def _byte_view(storage: torch.UntypedStorage) -> Any:
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+
+
+def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
+    if storage.device.type != "cpu":
+        raise RuntimeError("cannot send a non-CPU storage from a DataLoader worker")
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return (_rebuild_empty_storage, ())
+    if nbytes <= INLINE_MAX or len(out.fds) >= FDS_PER_MSG:
+        return (_rebuild_bytes_storage, (_byte_view(storage).tobytes(),))
+    # Already in shared memory (a collate in a worker allocates there): sharing allocates
+    # nothing, so it is done even for a batch that was told to stay out of /dev/shm.
+    if out.shm or storage.is_shared():
+        try:
+            reduced = _share(out, storage)
+        except (RuntimeError, OSError) as exc:
+            if not shm_exhausted(exc):
+                raise
+            out.shm = False  # the rest of this message stays out of the full /dev/shm
+            if out.policy is not None:
+                out.policy.failed(exc)
+        else:
+            out.shared_bytes += nbytes
+            return reduced
+    out.fallback_bytes += nbytes
+    note = out.policy.note if out.policy is not None else None
+    if note is None:
+        total, used = _shm_usage()
+        note = ShmNote("shared memory was not used for this batch", total, used, os.getpid())
+    # A writable buffer pickles (protocol 5, in band) as a bytearray straight from the storage:
+    # no intermediate bytes object.
+    return (_rebuild_fallback_storage, (pickle.PickleBuffer(_byte_view(storage)), tuple(note)))
+
+
+def _share(out: _Outbox, storage: torch.UntypedStorage) -> Any:
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        from torch.multiprocessing.reductions import reduce_storage
+
+        reduced = reduce_storage(storage)  # file_system: needs no live sender
+        out.lent.append(storage)
+        return reduced
+    fd, size = storage._share_fd_cpu_()
+    out.fds.append(fd)
+    return (_rebuild_fd_storage, (len(out.fds) - 1, size))
+
+
 class _Pickler(ForkingPickler):
     """ForkingPickler (torch's reductions included) with in-band fds for CPU storages."""
 
-    def __init__(self, file: Any, fds: list[int]) -> None:
+    def __init__(self, file: Any, out: _Outbox) -> None:
         super().__init__(file, 5)
-        self._fds = fds
-        self.dispatch_table[torch.UntypedStorage] = self._reduce_storage
-
-    def _reduce_storage(self, storage: torch.UntypedStorage) -> Any:
-        if storage.device.type != "cpu":
-            raise RuntimeError("cannot send a non-CPU storage from a DataLoader worker")
-        nbytes = storage.nbytes()
-        if nbytes == 0:
-            return (_rebuild_empty_storage, ())
-        if nbytes <= INLINE_MAX or len(self._fds) >= FDS_PER_MSG:
-            view = torch.empty(0, dtype=torch.uint8).set_(storage)
-            return (_rebuild_bytes_storage, (view.numpy().tobytes(),))
-        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
-            from torch.multiprocessing.reductions import reduce_storage
-
-            return reduce_storage(storage)  # file_system: needs no live sender
-        fd, size = storage._share_fd_cpu_()
-        self._fds.append(fd)
-        return (_rebuild_fd_storage, (len(self._fds) - 1, size))
+        # A partial over the outbox, not a bound method: a bound method would make the cycle
+        # pickler -> dispatch_table -> method -> pickler, and the memo would keep the batch.
+        self.dispatch_table[torch.UntypedStorage] = functools.partial(_reduce_storage, out)
 
 
-def dumps(obj: Any) -> tuple[bytes, list[int]]:
-    """Pickle ``obj``; returns the payload and the fds it refers to (owned by their storages)."""
+def dumps(
+    obj: Any, policy: ShmPolicy | None = None, shm: bool = True
+) -> tuple[bytes, list[int], _Outbox]:
+    """Pickle ``obj``; returns the payload, the fds it refers to (owned by their storages) and
+    how its storages travel. ``shm=False``: large storages not already in shared memory are
+    copied into the payload."""
     buf = io.BytesIO()
-    fds: list[int] = []
-    _Pickler(buf, fds).dump(obj)
-    return buf.getvalue(), fds
+    out = _Outbox([], shm, policy)
+    pickler = _Pickler(buf, out)
+    try:
+        pickler.dump(obj)
+    except BaseException:
+        out.unsent()  # (an unpicklable object after a storage already lent)
+        raise
+    finally:
+        # The memo refers to everything pickled; release it now, whatever refers to the pickler.
+        pickler.clear_memo()
+        del pickler
+    return buf.getvalue(), out.fds, out
 
 
-def send(sock: socket.socket, obj: Any) -> None:
-    """Worker side: send one message (blocking). Pickling errors raise before any byte is sent."""
-    payload, fds = dumps(obj)
+def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bool = True) -> None:
+    """Worker side: send one message (blocking). Pickling errors raise before any byte is sent.
+
+    ``policy``/``shm``: see ``ShmPolicy`` and ``dumps``.
+    """
+    payload, fds, out = dumps(obj, policy, shm)
+    try:
+        _send_frame(sock, payload, fds)
+    except BaseException:
+        out.unsent()  # a message cut short is discarded whole by the receiver
+        raise
+    out.lent = []
+    if policy is not None:
+        policy.sent(out)
+
+
+def _send_frame(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
     header = _HEADER.pack(len(payload), len(fds))
+    total = len(header) + len(payload)
     if fds:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         sent = sock.sendmsg([header, payload], anc)
+    elif total < 65536:
+        sent = sock.send(header + payload)
     else:
-        sent = sock.send(header + payload) if len(payload) < 65536 else 0
-    data = memoryview(header + payload) if sent < len(header) + len(payload) else None
-    if data is not None:
-        sock.sendall(data[sent:])
+        sent = sock.sendmsg([header, payload])  # no concatenated copy of a large payload
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent < total:
+        sock.sendall(memoryview(payload)[sent - len(header) :])
 
 
 class ChannelClosed(Exception):
@@ -212,9 +448,10 @@ class Receiver:
                 return out
 
     def _decode(self, payload: bytes | bytearray, fds: list[int]) -> Any:
-        _tls.fds, _tls.used = fds, set()
+        _tls.fds, _tls.used, _tls.fallback = fds, set(), []
         try:
-            return ForkingPickler.loads(payload)
+            msg = ForkingPickler.loads(payload)
+            fallback = _tls.fallback
         finally:
             for i, fd in enumerate(fds):
                 if i not in _tls.used:
@@ -222,9 +459,23 @@ class Receiver:
                         os.close(fd)
                     except OSError:
                         pass
-            _tls.fds = _tls.used = None
+            _tls.fds = _tls.used = _tls.fallback = None
+        if fallback:
+            _warn_shm(sum(n for n, _ in fallback), ShmNote(*fallback[-1][1]))
+        return msg
 
     def close(self) -> None:
+        if torch.multiprocessing.get_sharing_strategy() == "file_system" and not self.eof:
+            # Decode and drop what is already here instead of discarding the bytes: under
+            # file_system the sender took a reference on each segment for us (torch's
+            # protocol), which only unpickling gives back; left unread, those segments would
+            # stay in /dev/shm until this process exits (a `break` out of every epoch would
+            # leave a prefetch window's worth each time). Under file_descriptor, closing the
+            # socket releases the fds in flight.
+            try:
+                self.feed()
+            except Exception:
+                pass  # a message that cannot be decoded now is beyond saving
         for fd in self._fds:
             try:
                 os.close(fd)
@@ -233,3 +484,36 @@ class Receiver:
         self._fds = []
         self._buf.clear()
         self.sock.close()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _warn_shm(nbytes: int, note: ShmNote) -> None:
+    """Main side: say, once per process, that batches come without shared memory, and why."""
+    global _shm_warned
+    if _shm_warned:
+        return
+    _shm_warned = True
+    where = (
+        f"{SHM_DIR} is {_mib(note.total)}, {_mib(note.used)} of it in use"
+        if note.total
+        else f"{SHM_DIR} could not be measured"
+    )
+    text = (
+        f"DataLoader: a batch of {_mib(nbytes)} could not get shared memory in worker pid "
+        f"{note.pid} ({where}; {note.reason}). It was copied through the worker's result "
+        "socket instead: the batches are the same, but each such batch costs a copy in the "
+        f"worker and one in the main process. To use shared memory again, give {SHM_DIR} more "
+        "room (docker run --shm-size=8g, or --ipc=host; on Kubernetes an emptyDir with "
+        f"medium: Memory mounted at {SHM_DIR}), or use fewer workers or a smaller "
+        "prefetch_factor: about num_workers x prefetch_factor batches are in shared memory "
+        "at once, plus the ones your loop holds. Shown once per process."
+    )
+    try:
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
+    except Exception:
+        # A filter turned warnings into errors. Raised here, inside the receiving of a
+        # message, it would lose the batch and count as a broken worker: print it instead.
+        print(f"RuntimeWarning: {text}", file=sys.stderr)

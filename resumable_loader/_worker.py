@@ -132,6 +132,7 @@ class MapFetcher:
         self.auto = auto_collation
         self.collate = collate_fn
         self.getitems = getattr(dataset, "__getitems__", None) if auto_collation else None
+        self.shared = True  # in a worker: the collate may allocate in /dev/shm (see _collate)
 
     def fetch(self, indices: Any) -> Any:
         if self.auto:
@@ -140,8 +141,28 @@ class MapFetcher:
             else:
                 ds = self.dataset
                 data = [ds[i] for i in indices]
-            return self.collate(data)
-        return self.collate(self.dataset[indices])
+            return _collate(self.collate, data, self.shared)
+        return _collate(self.collate, self.dataset[indices], self.shared)
+
+
+def _collate(collate: Any, data: Any, shared: bool) -> Any:
+    """``collate(data)``; with ``shared=False``, out of /dev/shm.
+
+    torch's default_collate allocates its output in shared memory when get_worker_info() is
+    set (so the batch needs no copy to be sent). When /dev/shm is full, the worker info is
+    hidden for the collate alone -- the dataset's own calls still see it -- and the batch is
+    built in ordinary memory, to be copied into the message.
+    """
+    if shared:
+        return collate(data)
+    from torch.utils.data._utils import worker as torch_worker
+
+    info = torch_worker._worker_info
+    torch_worker._worker_info = None
+    try:
+        return collate(data)
+    finally:
+        torch_worker._worker_info = info
 
 
 def _has_state(obj: object) -> bool:
@@ -204,6 +225,11 @@ class StreamFetcher:
         self._fetch_s: float | None = None
         self._state_s: float | None = None
         self._snapshots = 0
+        self.shared = True  # in a worker: the collate may allocate in /dev/shm (see _collate)
+        # Snapshot the RNGs before the collate even without a RetryPolicy, so that a collate
+        # redone out of a full /dev/shm draws the same numbers (set by the worker loop for a
+        # custom collate_fn and large batches: ~35 us, against a batch worth sharing).
+        self.guard_collate = False
 
     @property
     def stateful(self) -> bool:
@@ -303,10 +329,11 @@ class StreamFetcher:
 
     def fetch(self, _k: Any = None) -> Any:
         items = self._pull()
-        if self.track_rngs:
-            self.rngs_before = capture_rngs()
+        # None unless taken now: a collate redone for lack of /dev/shm must never be handed an
+        # earlier batch's RNGs.
+        self.rngs_before = capture_rngs() if self.track_rngs or self.guard_collate else None
         try:
-            return self.collate(items)
+            return _collate(self.collate, items, self.shared)
         except BaseException:
             self.partial = items if self.auto else [items]
             raise
@@ -422,7 +449,15 @@ def make_retrier(retry: Any, reseed: Any, can_retry: Any = None) -> Any:
             # Only between attempts: the first runs as the caller seeded it.
             before_sleep=lambda _state: reseed(),
         )
-        result = retrier(fn, *args)
+        try:
+            result = retrier(fn, *args)
+        except BaseException as exc:
+            # tenacity keeps the error in its retry state, which its own frames in the error's
+            # traceback refer to: a cycle that would hold the failed fetch's frames -- the items
+            # it read -- until the collector runs. The finished frames are not needed (the
+            # traceback's text is what travels), so clear them.
+            traceback.clear_frames(exc.__traceback__)
+            raise
         return result, retrier.statistics.get("attempt_number", 1) - 1
 
     return run
@@ -543,6 +578,31 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         seed_global_rngs(fetch_seed)
         return run_stream(fn)[0]
 
+    # The collate functions known to draw no random numbers (torch's defaults): one redone
+    # for lack of /dev/shm needs no RNG snapshot to give the same batch.
+    from torch.utils.data import default_collate, default_convert
+
+    custom_collate = spec.collate_fn not in (default_collate, default_convert)
+    shm = _transport.ShmPolicy()
+
+    def fetch(payload: Any) -> Any:
+        """One fetch; a collate that finds /dev/shm full is redone out of it, same values."""
+        try:
+            return fetcher.fetch(payload)
+        except Exception as exc:
+            if not fetcher.shared or not _transport.shm_exhausted(exc):
+                raise
+            shm.failed(exc)
+        # (Out of the except block: the error and its frames are gone before the redo.)
+        fetcher.shared = False
+        if spec.iterable:
+            # The items read are kept (fetcher.partial); the RNGs go back to where they were
+            # before the collate, when a snapshot was taken (see guard_collate).
+            fetcher.before_retry()
+        else:
+            seed_global_rngs(seed)  # a task is seeded: read again from its seed, same batch
+        return fetcher.fetch(payload)
+
     pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
     arrivals = 0
 
@@ -584,13 +644,16 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
         else:
             seed = derive_seed(TASK, base, epoch, tid)
         seed_global_rngs(seed)
+        fetcher.shared = shm.allow()
+        if spec.iterable:
+            fetcher.guard_collate = custom_collate and fetcher.shared and shm.large
         delta = None
         retries = 0
         try:
             if spec.iterable:
                 t0 = time.perf_counter()
                 try:
-                    data, retries = run_stream(fetcher.fetch, payload)
+                    data, retries = run_stream(fetch, payload)
                 except StreamEnd:
                     raise
                 except Exception:
@@ -599,7 +662,7 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
                     raise
                 delta = fetcher.after_fetch(time.perf_counter() - t0)
             else:
-                data, retries = run(fetcher.fetch, payload)
+                data, retries = run(fetch, payload)
             msg = (RESULT, gen, tid, OK, data, delta, retries, spec.iterable and fetcher.ended)
         except StreamEnd:
             msg = (RESULT, gen, tid, END, None, None, 0, True)
@@ -607,9 +670,12 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
             what = f"samples {payload}" if not spec.iterable else f"stream batch {payload}"
             err = WorkerError(f"{where} while loading {what}")
             msg = (RESULT, gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
+        # From here on ``msg`` is the batch's only owner in this process: sent, then dropped,
+        # it is freed at once (its /dev/shm segment with it) -- nothing on this path may keep
+        # a reference or form a cycle with it (see _transport).
         data = None
         try:
-            _transport.send(result_conn, msg)
+            _transport.send(result_conn, msg, shm, fetcher.shared)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             return
         except Exception:

@@ -14,6 +14,7 @@ respawned worker sees how often a sample already crashed):
     ``Fault``, ``FaultyDataset``, ``FaultyStream``   crash/hang/fail on chosen samples/attempts
     ``worker_pids(loader)``, ``kill_worker(loader, k, sig)``   act on live workers
     ``kill_at(loader, {n: [(k, sig)]})``          iterate, signalling worker k after batch n
+    ``ShmFailure(...)``                           a worker_init_fn: /dev/shm "full" in the worker
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "FaultyDataset",
     "FaultyStream",
     "Resources",
+    "ShmFailure",
     "canonical",
     "check_resume",
     "kill_at",
@@ -397,6 +399,86 @@ def kill_worker(loader: Any, worker: int, sig: int = signal.SIGKILL) -> int:
     return pid
 
 
+# ---- a full /dev/shm ---------------------------------------------------------------------------
+SHM_WHERE = ("alloc", "share", "both")
+
+
+class ShmFailure:
+    """A ``worker_init_fn`` under which torch's shared-memory allocations fail in the worker,
+    the way they do when /dev/shm is full (the same RuntimeError, "unable to allocate shared
+    memory(shm) for file <...>: No space left on device (28)").
+
+    Use it to check that a pipeline survives a small /dev/shm (a container's 64 MiB default)
+    without one: ``DataLoader(..., worker_init_fn=ShmFailure(then=my_init))``. It works under
+    fork, spawn and forkserver, and again in a respawned worker.
+
+    Args:
+        where: which allocations fail -- "alloc": a storage created in shared memory (torch's
+            default_collate builds a worker's batch there); "share": an ordinary storage moved
+            into shared memory to be sent (what a custom collate_fn's output needs); "both".
+        every: fail one allocation in ``every``, counted per worker from its start (1: all).
+        min_bytes: only allocations of at least this many bytes fail.
+        then: the loader's own ``worker_init_fn``, called afterwards with the worker id.
+    """
+
+    def __init__(
+        self,
+        where: str = "both",
+        every: int = 1,
+        min_bytes: int = 0,
+        then: Callable[[int], None] | None = None,
+    ) -> None:
+        if where not in SHM_WHERE:
+            raise ValueError(f"unknown where {where!r}; choose from {SHM_WHERE}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every!r}")
+        self.where = where
+        self.every = every
+        self.min_bytes = min_bytes
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        storage_cls = torch.UntypedStorage
+        seen = [0]  # allocations of at least min_bytes in this worker
+
+        def fail(nbytes: int) -> bool:
+            if nbytes < self.min_bytes:
+                return False
+            n = seen[0]
+            seen[0] = n + 1
+            return n % self.every == 0
+
+        def error(n: int) -> RuntimeError:
+            return RuntimeError(
+                "unable to allocate shared memory(shm) for file "
+                f"</torch_{os.getpid()}_injected_{n}>: No space left on device (28)"
+            )
+
+        if self.where in ("alloc", "both"):
+            for name in ("_new_using_fd_cpu", "_new_using_filename_cpu"):
+                original = getattr(storage_cls, name)  # bound to the class
+
+                def new(cls: Any, size: int, _original: Any = original) -> Any:
+                    if fail(size):
+                        raise error(seen[0])
+                    return _original(size)
+
+                setattr(storage_cls, name, classmethod(new))
+        if self.where in ("share", "both"):
+            for name in ("_share_fd_cpu_", "_share_filename_cpu_"):
+                original = getattr(storage_cls, name)
+
+                def share(self_: Any, *args: Any, _original: Any = original) -> Any:
+                    # A storage already in shared memory is shared without allocating.
+                    if not self_.is_shared() and fail(self_.nbytes()):
+                        raise error(seen[0])
+                    return _original(self_, *args)
+
+                setattr(storage_cls, name, share)
+        if self.then is not None:
+            self.then(worker_id)
+
+
 # ---- leak checks ------------------------------------------------------------------------------
 # multiprocessing's own long-lived helpers are not a loader's to clean up.
 _MP_HELPERS = ("forkserver", "resource_tracker", "semaphore_tracker")
@@ -447,6 +529,32 @@ class Resources:
         return cls(frozenset(children), frozenset(threads), frozenset(fds), frozenset(shm))
 
 
+def _made_by_us(shm_name: str) -> bool:
+    """Whether a ``torch_<pid>_...`` segment was made by this process tree.
+
+    /dev/shm is the whole machine's: another test run's live workers hold segments too. torch
+    names a segment after the process that made it. Ours are made by this process or its
+    descendants (workers, under fork, spawn or forkserver); a maker that is gone is counted
+    as ours (a killed worker's leftovers are exactly what this check is for).
+    """
+    import psutil
+
+    try:
+        pid = int(shm_name.split("_")[1])
+    except (IndexError, ValueError):
+        return True
+    me = os.getpid()
+    try:
+        proc = psutil.Process(pid)
+        while proc is not None:
+            if proc.pid == me:
+                return True
+            proc = proc.parent()
+    except psutil.NoSuchProcess:
+        return True
+    return False
+
+
 def leaks_since(before: Resources, settle_s: float = 10.0) -> list[str]:
     """What was acquired since ``before`` and is still held, waiting up to ``settle_s`` for it
     to go (a SIGKILLed worker is reaped a moment later); [] if nothing leaked.
@@ -463,7 +571,7 @@ def leaks_since(before: Resources, settle_s: float = 10.0) -> list[str]:
             now.children - before.children,
             now.threads - before.threads,
             now.fds - before.fds,
-            now.shm - before.shm,
+            frozenset(name for name in now.shm - before.shm if _made_by_us(name)),
         )
         if not any(leaked) or time.monotonic() >= deadline:
             break

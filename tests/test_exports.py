@@ -27,6 +27,7 @@ TESTING = [
     "FaultyDataset",
     "FaultyStream",
     "Resources",
+    "ShmFailure",
     "canonical",
     "check_resume",
     "kill_at",
