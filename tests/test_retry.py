@@ -20,6 +20,16 @@ from torch.utils.data import IterableDataset, get_worker_info
 from resumable_loader import DataLoader, RetryPolicy
 
 
+def _first_to_fire(flag: str) -> bool:
+    """Create ``flag`` atomically: True for the one caller that made it. Both workers read the
+    whole (unsharded) stream, so a check-then-create let both fire at once (1 run in 6)."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 class CursorStream(IterableDataset):
     """Values 0..n-1; the iterator is a class (so a RetryPolicy applies to its ``next()``) and
     the first fetch of ``flaky`` raises OSError once, leaving the cursor where it was."""
@@ -44,8 +54,7 @@ class _Cursor:
     def __next__(self) -> int:
         if self.pos >= self.ds.n:
             raise StopIteration
-        if self.pos == self.ds.flaky and not os.path.exists(self.ds.flag):
-            open(self.ds.flag, "w").close()
+        if self.pos == self.ds.flaky and _first_to_fire(self.ds.flag):
             raise OSError("transient")
         self.pos += 1
         return self.pos - 1
@@ -156,8 +165,7 @@ class DrawThenFailCollate:
 
     def __call__(self, items: list) -> list:
         noise = int(np.random.randint(0, 10**6))
-        if any(item[0] == self.flaky for item in items) and not os.path.exists(self.flag):
-            open(self.flag, "w").close()
+        if any(item[0] == self.flaky for item in items) and _first_to_fire(self.flag):
             raise OSError("transient, in collate")
         return [noise, *items]
 
