@@ -29,6 +29,7 @@ import torch
 
 from . import _transport
 from ._errors import RemoteTraceback
+from ._schema import has_state
 from ._seeding import STREAM, TASK, capture_rngs, derive_seed, restore_rngs, seed_global_rngs
 
 # Main -> worker message tags.
@@ -165,12 +166,6 @@ def _collate(collate: Any, data: Any, shared: bool) -> Any:
         torch_worker._worker_info = info
 
 
-def _has_state(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
 ITER_START = -1  # the fetch number whose seed is in force while iter(dataset) runs
 
 
@@ -261,14 +256,14 @@ class StreamFetcher:
         # iter() may draw random numbers (a shard order shuffled per epoch): it draws from
         # the epoch's stream seed, so a resumed or respawned worker draws the same.
         seed_global_rngs(seed_for(ITER_START))
-        if _has_state(ds):
+        if has_state(ds):
             if state is not None:
                 ds.load_state_dict(state)
             self.it = iter(ds)
             self.holder = ds
         else:
             self.it = iter(ds)
-            self.holder = self.it if _has_state(self.it) else None
+            self.holder = self.it if has_state(self.it) else None
             if state is not None:
                 if self.holder is None:
                     raise RuntimeError(
@@ -548,143 +543,177 @@ def _send(sock: Any, msg: Any) -> bool:
 
 
 def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where: str) -> None:
-    wid = spec.worker_id
-    fetcher: Any
-    if spec.iterable:
-        fetcher = StreamFetcher(
-            spec.dataset,
-            spec.auto_collation,
-            spec.collate_fn,
-            spec.batch_size,
-            spec.drop_last,
-            spec.state_every,
-            exact_retry=spec.retry is not None,
-        )
-    else:
-        fetcher = MapFetcher(spec.dataset, spec.auto_collation, spec.collate_fn)
-    base = spec.base_seed
-    epoch = 0
-    gen = -1  # epoch generation: results carry it so stale ones can be told apart
-    seed = 0
+    _WorkerLoop(spec, task_conn, result_conn, parent, where).run()
 
-    def reseed() -> None:
-        seed_global_rngs(seed)
 
-    run = make_retrier(spec.retry, reseed)
-    if spec.iterable:
-        run_stream = make_retrier(spec.retry, fetcher.before_retry, fetcher.can_retry)
+class _WorkerLoop:
+    """A worker's life after READY: take tasks lowest id first, fetch each under its seed, send
+    each result (with a stream's state delta) as soon as it is ready.
 
-    def run_stream_start(fn: Any, fetch_seed: int) -> Any:
-        seed_global_rngs(fetch_seed)
-        return run_stream(fn)[0]
+    A batch is never kept on ``self``: it lives in ``_result``'s and ``run``'s locals until it
+    is sent, then it is dropped and freed at once (its /dev/shm segment with it).
+    """
 
-    # The collate functions known to draw no random numbers (torch's defaults): one redone
-    # for lack of /dev/shm needs no RNG snapshot to give the same batch.
-    from torch.utils.data import default_collate, default_convert
+    def __init__(
+        self, spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where: str
+    ) -> None:
+        self.spec = spec
+        self.task_conn = task_conn
+        self.result_conn = result_conn
+        self.parent = parent
+        self.where = where
+        self.wid = spec.worker_id
+        self.fetcher: Any
+        if spec.iterable:
+            self.fetcher = StreamFetcher(
+                spec.dataset,
+                spec.auto_collation,
+                spec.collate_fn,
+                spec.batch_size,
+                spec.drop_last,
+                spec.state_every,
+                exact_retry=spec.retry is not None,
+            )
+            self.run_task = make_retrier(
+                spec.retry, self.fetcher.before_retry, self.fetcher.can_retry
+            )
+        else:
+            self.fetcher = MapFetcher(spec.dataset, spec.auto_collation, spec.collate_fn)
+            self.run_task = make_retrier(spec.retry, self._reseed)
+        self.base = spec.base_seed
+        self.epoch = 0
+        self.gen = -1  # epoch generation: results carry it so stale ones can be told apart
+        self.seed = 0  # the task being fetched: what a map-style retry re-seeds with
+        # The collate functions known to draw no random numbers (torch's defaults): one redone
+        # for lack of /dev/shm needs no RNG snapshot to give the same batch.
+        from torch.utils.data import default_collate, default_convert
 
-    custom_collate = spec.collate_fn not in (default_collate, default_convert)
-    shm = _transport.ShmPolicy()
+        self.custom_collate = spec.collate_fn not in (default_collate, default_convert)
+        self.shm = _transport.ShmPolicy()
+        self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
+        self.arrivals = 0
 
-    def fetch(payload: Any) -> Any:
+    def _reseed(self) -> None:
+        seed_global_rngs(self.seed)
+
+    def run(self) -> None:
+        while self._receive():
+            tid, arrival, payload = heapq.heappop(self.pending)
+            overtakes = any(a < arrival for _, a, _ in self.pending)
+            if overtakes and not _send(self.result_conn, (STARTED, tid)):
+                return
+            msg = self._result(tid, payload)
+            if not self._send_result(tid, msg):
+                return
+            del msg
+
+    # ---- receiving -----------------------------------------------------------------------
+    def _receive(self) -> bool:
+        """Take everything waiting in the pipe (so the lowest task id runs first), blocking
+        while there is nothing to do; False when the worker must exit."""
+        conn = self.task_conn
+        while not self.pending or conn.poll(0):
+            if not self.pending and not conn.poll(PARENT_CHECK_INTERVAL_S):
+                if os.getppid() != self.parent:
+                    return False  # orphaned: our main process is gone
+                continue
+            msg = conn.recv()
+            tag = msg[0]
+            if tag == TASK_MSG:
+                if msg[1] == self.gen:
+                    heapq.heappush(self.pending, (msg[2], self.arrivals, msg[3]))
+                    self.arrivals += 1
+            elif tag == EPOCH:
+                self.pending.clear()
+                _, self.gen, self.epoch, self.base, resume = msg
+                if self.spec.iterable and not self._start_stream(resume):
+                    return False
+            elif tag == STOP:
+                return False
+        return True
+
+    def _start_stream(self, resume: Any) -> bool:
+        epoch, base, wid = self.epoch, self.base, self.wid
+
+        def seed_for(k: int) -> int:
+            return derive_seed(STREAM, base, epoch, wid, k)
+
+        def run_start(fn: Any, fetch_seed: int) -> Any:
+            seed_global_rngs(fetch_seed)
+            return self.run_task(fn)[0]
+
+        try:
+            self.fetcher.start(resume, seed_for, run_start)
+        except Exception:
+            doing = "while restoring the stream state" if resume else "in iter() of the dataset"
+            _send(self.result_conn, (INIT_ERROR, wid, WorkerError(f"{doing} {self.where}")))
+            return False
+        return True
+
+    # ---- one task ------------------------------------------------------------------------
+    def _result(self, tid: int, payload: Any) -> tuple[Any, ...]:
+        """Fetch one task under its seed: the RESULT message (OK, END or ERROR)."""
+        spec, fetcher, shm = self.spec, self.fetcher, self.shm
+        if spec.iterable:
+            self.seed = derive_seed(STREAM, self.base, self.epoch, self.wid, payload)
+        else:
+            self.seed = derive_seed(TASK, self.base, self.epoch, tid)
+        seed_global_rngs(self.seed)
+        fetcher.shared = shm.allow()
+        if spec.iterable:
+            fetcher.guard_collate = self.custom_collate and fetcher.shared and shm.large
+        gen = self.gen
+        try:
+            if not spec.iterable:
+                data, retries = self.run_task(self._fetch, payload)
+                return (RESULT, gen, tid, OK, data, None, retries, False)
+            t0 = time.perf_counter()
+            try:
+                data, retries = self.run_task(self._fetch, payload)
+            except StreamEnd:
+                raise
+            except Exception:
+                fetcher.count += 1  # the fetch happened; a replay must make it too
+                fetcher.fetch_failed()
+                raise
+            delta = fetcher.after_fetch(time.perf_counter() - t0)
+            return (RESULT, gen, tid, OK, data, delta, retries, fetcher.ended)
+        except StreamEnd:
+            return (RESULT, gen, tid, END, None, None, 0, True)
+        except Exception:
+            what = f"samples {payload}" if not spec.iterable else f"stream batch {payload}"
+            err = WorkerError(f"{self.where} while loading {what}")
+            return (RESULT, gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
+
+    def _fetch(self, payload: Any) -> Any:
         """One fetch; a collate that finds /dev/shm full is redone out of it, same values."""
+        fetcher = self.fetcher
         try:
             return fetcher.fetch(payload)
         except Exception as exc:
             if not fetcher.shared or not _transport.shm_exhausted(exc):
                 raise
-            shm.failed(exc)
+            self.shm.failed(exc)
         # (Out of the except block: the error and its frames are gone before the redo.)
         fetcher.shared = False
-        if spec.iterable:
+        if self.spec.iterable:
             # The items read are kept (fetcher.partial); the RNGs go back to where they were
             # before the collate, when a snapshot was taken (see guard_collate).
             fetcher.before_retry()
         else:
-            seed_global_rngs(seed)  # a task is seeded: read again from its seed, same batch
+            seed_global_rngs(self.seed)  # a task is seeded: read again from its seed
         return fetcher.fetch(payload)
 
-    pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
-    arrivals = 0
-
-    while True:
-        # Take everything waiting in the pipe so the lowest task id runs first.
-        while not pending or task_conn.poll(0):
-            if not pending and not task_conn.poll(PARENT_CHECK_INTERVAL_S):
-                if os.getppid() != parent:
-                    return  # orphaned: our main process is gone
-                continue
-            msg = task_conn.recv()
-            tag = msg[0]
-            if tag == TASK_MSG:
-                if msg[1] == gen:
-                    heapq.heappush(pending, (msg[2], arrivals, msg[3]))
-                    arrivals += 1
-            elif tag == EPOCH:
-                pending.clear()
-                _, gen, epoch, base, resume = msg
-                if spec.iterable:
-
-                    def seed_for(k: int, _e: int = epoch, _b: int = base) -> int:
-                        return derive_seed(STREAM, _b, _e, wid, k)
-
-                    try:
-                        fetcher.start(resume, seed_for, run_stream_start)
-                    except Exception:
-                        err = WorkerError(f"while restoring the stream state {where}")
-                        _send(result_conn, (INIT_ERROR, wid, err))
-                        return
-            elif tag == STOP:
-                return
-        tid, arrival, payload = heapq.heappop(pending)
-        overtakes = any(a < arrival for _, a, _ in pending)
-        if overtakes and not _send(result_conn, (STARTED, tid)):
-            return
-        if spec.iterable:
-            seed = derive_seed(STREAM, base, epoch, wid, payload)
-        else:
-            seed = derive_seed(TASK, base, epoch, tid)
-        seed_global_rngs(seed)
-        fetcher.shared = shm.allow()
-        if spec.iterable:
-            fetcher.guard_collate = custom_collate and fetcher.shared and shm.large
-        delta = None
-        retries = 0
+    def _send_result(self, tid: int, msg: tuple[Any, ...]) -> bool:
+        """Send; False when the main process is gone. ``msg`` is the batch's only owner here:
+        sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
+        a reference or form a cycle with it (see _transport)."""
         try:
-            if spec.iterable:
-                t0 = time.perf_counter()
-                try:
-                    data, retries = run_stream(fetch, payload)
-                except StreamEnd:
-                    raise
-                except Exception:
-                    fetcher.count += 1  # the fetch happened; a replay must make it too
-                    fetcher.fetch_failed()
-                    raise
-                delta = fetcher.after_fetch(time.perf_counter() - t0)
-            else:
-                data, retries = run(fetch, payload)
-            msg = (RESULT, gen, tid, OK, data, delta, retries, spec.iterable and fetcher.ended)
-        except StreamEnd:
-            msg = (RESULT, gen, tid, END, None, None, 0, True)
-        except Exception:
-            what = f"samples {payload}" if not spec.iterable else f"stream batch {payload}"
-            err = WorkerError(f"{where} while loading {what}")
-            msg = (RESULT, gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
-        # From here on ``msg`` is the batch's only owner in this process: sent, then dropped,
-        # it is freed at once (its /dev/shm segment with it) -- nothing on this path may keep
-        # a reference or form a cycle with it (see _transport).
-        data = None
-        try:
-            _transport.send(result_conn, msg, shm, fetcher.shared)
+            _transport.send(self.result_conn, msg, self.shm, self.fetcher.shared)
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            return
+            return False
         except Exception:
             # The batch could not be pickled (nothing was sent): say so instead of dying.
-            err = WorkerError(f"{where}: the batch of task {tid} could not be sent (pickling)")
-            if not _send(result_conn, (RESULT, gen, tid, ERROR, err, None, 0, False)):
-                return
-        del msg
-
-
-def now() -> float:
-    return time.monotonic()
+            err = WorkerError(f"{self.where}: the batch of task {tid} could not be sent (pickling)")
+            return _send(self.result_conn, (RESULT, self.gen, tid, ERROR, err, None, 0, False))
+        return True
