@@ -116,13 +116,14 @@ class Recovery:
     def on_death(self, slot: WorkerSlot, report: DeathReport) -> Outcome:
         out = Outcome()
         blamed, tids = self.disp.on_death(slot)
-        if not report.was_ready:
+        if slot.init_error is not None and not self._is_transient(slot.init_error):
+            # The user's code raised (worker_init_fn, or the stream's iter()/load_state_dict()
+            # when the epoch began): a bug report, not a crash. Raised as torch does, with its
+            # type, message and the worker's traceback; no respawn, no task blamed.
+            out.fatal = slot.init_error.exception()
+            return out
+        if not report.was_ready or slot.init_error is not None:
             # It never ran a task: its start failed, and no task is to blame.
-            if slot.init_error is not None and not self._is_transient(slot.init_error):
-                # The user's code raised: a bug report, not a crash. Raised as torch does,
-                # with its type, message and the worker's traceback; no respawn.
-                out.fatal = slot.init_error.exception()
-                return out
             slot.start_failures += 1
             where = f" while starting (holding {describe(blamed, self.iterable)})" if blamed else ""
             blamed = None

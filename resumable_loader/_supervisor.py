@@ -32,6 +32,7 @@ import glob
 import logging
 import multiprocessing
 import os
+import re
 import select
 import signal
 import socket
@@ -514,7 +515,9 @@ class Supervisor:
         if why.startswith("hung"):
             cause, key = why, "hang"
         elif why == "failed to start":
-            cause, key = "failed in worker_init_fn", "init_error"
+            err = slot.init_error
+            where = re.split(r" (?:of|in) DataLoader worker", err.where)[0] if err else ""
+            cause, key = f"raised {err.type_name if err else 'an error'} {where}", "init_error"
         elif why:
             cause, key = f"{why}; then {describe_exit(exitcode)}", "recv_error"
         else:

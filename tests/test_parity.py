@@ -630,6 +630,31 @@ def test_task_i_goes_to_worker_i_mod_n_like_torch(workers: int, batch_size: int 
         assert ids(resumed) == expected[5:]
 
 
+class IterRaises(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        raise ValueError("Error in __iter__")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_in_dataset_iter_is_raised_like_torch(workers: int) -> None:
+    # The dataset's own error, with its type and message -- not a crash to retry.
+    kw = dict(dataset=IterRaises(), num_workers=workers, multiprocessing_context="fork")
+    if not workers:
+        kw.pop("multiprocessing_context")
+    with pytest.raises(ValueError) as theirs:
+        list(TorchDataLoader(**kw))
+    their_type = type(theirs.value)
+    del theirs
+    collect_torch_reference_garbage()
+    loader = Ours(**kw)
+    with loader, pytest.raises(ValueError, match="Error in __iter__") as ours:
+        list(loader)
+    assert type(ours.value) is their_type
+    assert loader.statistics().respawns == 0
+    if workers:
+        assert "in iter() of the dataset" in str(ours.value)
+
+
 # 5. errors
 
 

@@ -482,7 +482,7 @@ def test_worker_init_error_is_reported_even_when_the_exit_is_seen_first() -> Non
         dead = [data for kind, s, data in events if kind == "dead" and s is slot]
         assert len(dead) == 1
         _pid, _code, cause, key, _was_ready = dead[0]
-        assert (cause, key) == ("failed in worker_init_fn", "init_error")
+        assert (cause, key) == ("raised ValueError in worker_init_fn", "init_error")
         assert "init of worker 0 is broken" in str(slot.init_error.exception())
     finally:
         sup.shutdown()
