@@ -76,9 +76,10 @@ def train(workdir: str, n: int, die_at: int | None) -> None:
         opt.load_state_dict(ckpt["opt"])
         torch.set_rng_state(ckpt["rng"])
         loader.load_state_dict(ckpt["loader"])
-        step, start_epoch = ckpt["step"], ckpt["epoch"]
+        # The epoch the loader continues: saved on an epoch's last step, the next one.
+        step, start_epoch = ckpt["step"], ckpt["loader"]["epoch"]
     with open(os.path.join(workdir, "batches.log"), "a") as log:
-        for epoch in range(start_epoch, EPOCHS):
+        for _epoch in range(start_epoch, EPOCHS):
             for x, y in loader:
                 loss = nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()
@@ -95,7 +96,6 @@ def train(workdir: str, n: int, die_at: int | None) -> None:
                         "rng": torch.get_rng_state(),
                         "loader": loader.state_dict(),
                         "step": step,
-                        "epoch": epoch,
                     }
                     torch.save(ckpt, ckpt_path + ".tmp")
                     os.replace(ckpt_path + ".tmp", ckpt_path)
