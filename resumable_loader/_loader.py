@@ -195,6 +195,12 @@ class _BaseIter:
         self._stateful_sampler = self._plan.kind == STATEFUL
         self._base: int = loader._ensure_seed()
         self._counters: Counters = loader._counters
+        # An iterable dataset's len(loader), if the caller asked for it: more batches than that
+        # is warned about, as torch does (scripts watch for it).
+        self._len_reported: int | None = (
+            loader._IterableDataset_len_called if self._iterable else None
+        )
+        self._num_yielded = 0  # batches of this epoch delivered (from the resumed position)
 
     def __iter__(self) -> _BaseIter:
         return self
@@ -229,6 +235,25 @@ class _BaseIter:
             "loader.state_dict(); to continue from it, call "
             "loader.load_state_dict(loader.state_dict()) and then iter(loader)"
         )
+
+    def _delivered(self, batch: Any) -> Any:
+        """Count a batch handed to the caller; warn when a stream overruns its reported len."""
+        self._counters.batches += 1
+        self._num_yielded += 1
+        reported = self._len_reported
+        if reported is not None and self._num_yielded > reported:
+            msg = (
+                f"Length of IterableDataset {self._loader.dataset} was reported to be "
+                f"{reported} (when accessing len(dataloader)), but {self._num_yielded} "
+                "samples have been fetched."
+            )
+            if self._loader.num_workers > 0:
+                msg += (
+                    " With workers, each one iterates its own copy of the dataset: shard it "
+                    "with torch.utils.data.get_worker_info() so they do not all yield it all."
+                )
+            warnings.warn(msg, UserWarning, stacklevel=3)
+        return batch
 
     def _raise_broken(self) -> None:
         assert self._broken is not None
@@ -315,6 +340,7 @@ class _SingleProcessIter(_BaseIter):
         plan = self._plan
         self._pin = loader._pin_fn()
         p = self._p = _SingleProgress(rp)
+        self._num_yielded = p.consumed
         # The ids to skip when drawn (delivered before the checkpoint, in_order=False): a set
         # apart from ``ahead``, because advancing ``consumed`` must not forget what to skip.
         self._skip = set(p.ahead)
@@ -421,8 +447,7 @@ class _SingleProcessIter(_BaseIter):
             raise
         self._consume(tid)
         self._counters.retries += retries
-        self._counters.batches += 1
-        return self._pin(data) if self._pin else data
+        return self._delivered(self._pin(data) if self._pin else data)
 
     def _consume(self, tid: int) -> None:
         p = self._p
@@ -460,8 +485,7 @@ class _SingleProcessIter(_BaseIter):
         p.k += 1
         p.consumed += 1
         self._counters.retries += retries
-        self._counters.batches += 1
-        return self._pin(data) if self._pin else data
+        return self._delivered(self._pin(data) if self._pin else data)
 
 
 # ---- num_workers>0 ----------------------------------------------------------------------------
@@ -592,6 +616,7 @@ class _MultiProcessIter(_BaseIter):
             start, ahead = start + len(ahead), frozenset()
             next_worker = rp.next_worker if rp else 0
         self._reorder = ReorderBuffer(self._in_order, start, ahead)
+        self._num_yielded = start + len(ahead)
         if self._iterable:
             source: Any = iter(())
         elif self._stateful_sampler and rp is not None:
@@ -709,8 +734,7 @@ class _MultiProcessIter(_BaseIter):
                     # reachable from its own traceback (a cycle holding the iterator).
                     item = None
                 if out is not _SKIP:
-                    self._counters.batches += 1
-                    return out
+                    return self._delivered(out)
                 continue
             if self._epoch_done():
                 self._finish()

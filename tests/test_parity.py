@@ -655,6 +655,40 @@ def test_an_error_in_dataset_iter_is_raised_like_torch(workers: int) -> None:
         assert "in iter() of the dataset" in str(ours.value)
 
 
+class LongerThanItsLen(torch.utils.data.IterableDataset):
+    """Says 4, yields 6 (and, unsharded, every worker yields all 6)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __iter__(self):
+        return iter(range(6))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_longer_than_its_len_warns_like_torch(workers: int) -> None:
+    def warned(cls) -> list[int]:
+        kw = dict(dataset=LongerThanItsLen(), batch_size=None, num_workers=workers)
+        if workers:
+            kw["multiprocessing_context"] = "fork"
+        loader = cls(**kw)
+        assert len(loader) == 4  # what arms the check, in torch too
+        at = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n, _ in enumerate(loader, start=1):
+                at += [n for w in caught if "Length of IterableDataset" in str(w.message)]
+                caught.clear()
+        close = getattr(loader, "close", None)
+        if close is not None:
+            close()
+        return at
+
+    expected = warned(TorchDataLoader)
+    assert expected == list(range(5, 7 if not workers else 13))
+    assert warned(Ours) == expected  # one warning per batch past the reported length
+
+
 # 5. errors
 
 
