@@ -38,6 +38,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
@@ -205,6 +206,19 @@ def _mapped_shm_paths() -> set[str]:
     return paths
 
 
+def _warn_seeding() -> None:
+    warnings.warn(
+        "worker_init_fn called torch.manual_seed(): the loader seeds python's random, numpy and "
+        "torch again before every batch, from (seed, epoch, batch), so that a batch has the same "
+        "values after a resume whichever worker loads it. That seeding overrides yours while "
+        "batches are loaded (torch.initial_seed() in __getitem__ is the batch's seed). To choose "
+        "the randomness, seed the loader instead: DataLoader(..., "
+        "generator=torch.Generator().manual_seed(s)).",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
 class DeathReport(NamedTuple):
     """A worker's death (or a hang it was killed for), as the supervisor saw it."""
 
@@ -283,6 +297,7 @@ class Supervisor:
         self._extra_fds: dict[int, str] = {}
         self._last_poll = time.monotonic()
         self.respawns_without_progress = 0
+        self._warned_seeding = False
         self.closed = False
 
     # ---- fd bookkeeping ------------------------------------------------------------------
@@ -552,6 +567,9 @@ class Supervisor:
                 slot.booted = True
                 slot.start_since = time.monotonic()  # worker_init_fn's time starts now
             elif tag == READY:
+                if msg[3] and not self._warned_seeding:
+                    self._warned_seeding = True
+                    _warn_seeding()
                 slot.state = READY_STATE
                 slot.start_failures = 0
                 slot.init_error = None

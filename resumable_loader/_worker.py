@@ -40,7 +40,7 @@ TASK_MSG = 1  # (TASK_MSG, gen, tid, payload) -- payload: indices (map) or fetch
 STOP = 2  # (STOP,)
 
 # Worker -> main message tags.
-READY = 10  # (READY, worker_id, pid)
+READY = 10  # (READY, worker_id, pid, seeded): seeded -- worker_init_fn called torch.manual_seed
 INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
 BOOTED = 13  # (BOOTED, worker_id): the process runs our code; worker_init_fn comes next
 # (STARTED, tid): sent when the worker starts a task out of arrival order (a re-sent task
@@ -517,16 +517,20 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     # From here on, a start that takes too long is worker_init_fn's doing (task_timeout).
     if not _send(result_conn, (BOOTED, wid)):
         return
+    seeded = False
     try:
         seed_global_rngs(spec.worker_seed)
         _set_worker_info(spec)
         if spec.init_fn is not None:
+            before = torch.initial_seed()
             spec.init_fn(wid)
+            # Our per-batch seeding will override the user's: the main process says so once.
+            seeded = torch.initial_seed() != before
     except Exception:
         err = WorkerError(f"in worker_init_fn of DataLoader worker {wid} (pid {os.getpid()})")
         _send(result_conn, (INIT_ERROR, wid, err))
         return
-    if not _send(result_conn, (READY, wid, os.getpid())):
+    if not _send(result_conn, (READY, wid, os.getpid(), seeded)):
         return
     try:
         _loop(spec, task_conn, result_conn, parent, where)

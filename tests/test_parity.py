@@ -689,6 +689,37 @@ def test_a_stream_longer_than_its_len_warns_like_torch(workers: int) -> None:
     assert warned(Ours) == expected  # one warning per batch past the reported length
 
 
+def _seeding_init(worker_id: int) -> None:
+    torch.manual_seed(12345)
+
+
+class InitialSeed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return torch.initial_seed()
+
+
+@pytest.mark.parametrize("init", [None, _seeding_init], ids=["no-init", "seeding-init"])
+def test_a_worker_init_fn_that_seeds_is_told_it_is_overridden(init) -> None:
+    # torch's loader lets worker_init_fn's torch.manual_seed stand; ours re-seeds every batch
+    # (exact values after a resume), which overrides it: said once, not silently.
+    loader = Ours(
+        InitialSeed(),
+        batch_size=None,
+        num_workers=2,
+        worker_init_fn=init,
+        multiprocessing_context="fork",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seeds = list(loader)
+    told = [w for w in caught if "worker_init_fn called torch.manual_seed()" in str(w.message)]
+    assert len(told) == (1 if init else 0)
+    assert 12345 not in seeds  # each batch runs under its own seed, the override warned of
+
+
 # 5. errors
 
 
