@@ -58,8 +58,12 @@ class Dispatcher:
         seen: Any,
         backlog: Any,
         next_worker: int = 0,
+        in_order: bool = True,
     ) -> None:
         self.sup = sup
+        # in_order=False: like torch, a worker holding its share of the prefetch limit is
+        # passed over for the next one in turn, so a slow batch does not hold up the others.
+        self.in_order = in_order
         self.iterable = iterable
         self.limit = max(1, prefetch_factor * len(sup.slots))
         self.source = source
@@ -94,6 +98,10 @@ class Dispatcher:
                 best = slot
         return best
 
+    def _full(self, slot: WorkerSlot, active: int) -> bool:
+        """in_order=False only: whether ``slot`` holds its share of the prefetch limit."""
+        return not self.in_order and len(slot.outstanding) >= self.limit // max(1, active)
+
     def _in_turn(self) -> WorkerSlot | None:
         """The map worker whose turn it is (torch's order), skipping one being replaced."""
         slots = self.sup.slots
@@ -103,6 +111,8 @@ class Dispatcher:
             if slot.state == READY_STATE:
                 self.recovering.discard(slot.wid)
             elif slot.state != STARTING or slot.wid in self.recovering:
+                continue
+            if self._full(slot, n):
                 continue
             self.cycle = (slot.wid + 1) % n
             return slot
@@ -157,13 +167,16 @@ class Dispatcher:
         n = len(slots)
         while len(self.tasks) + self._backlog() < self.limit:
             slot = None
+            active = sum(not s.exhausted for s in slots)
+            if not active:
+                self.source_done = True
+                return
             for step in range(n):
                 cand = slots[(self.cycle + step) % n]
-                if not cand.exhausted:
+                if not cand.exhausted and not self._full(cand, active):
                     slot = cand
                     break
             if slot is None:
-                self.source_done = True
                 return
             tid = self.send_idx
             self.send_idx = tid + 1

@@ -2,8 +2,9 @@
 
 Results arrive in any order (workers run in parallel, a re-sent task finishes late). With
 ``in_order=True`` the buffer releases task ``rcvd`` only, then ``rcvd + 1``, ...; with
-``in_order=False`` it releases whatever has arrived, lowest id first, and remembers which ids
-beyond ``rcvd`` went out early, so a checkpoint can say exactly what was consumed.
+``in_order=False`` it releases whatever has arrived, in the order it arrived (as torch does),
+and remembers which ids beyond ``rcvd`` went out early, so a checkpoint can say exactly what
+was consumed.
 
 Invariants (``check_invariants``):
   * every buffered id is >= rcvd and not in ``ahead``;
@@ -15,7 +16,7 @@ after sending) and is dropped, counted in ``duplicates``.
 
 from __future__ import annotations
 
-import heapq
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,13 @@ class ReorderStatistics:
 
 
 class ReorderBuffer:
-    __slots__ = ("_ahead", "_buf", "_heap", "duplicates", "in_order", "rcvd")
+    __slots__ = ("_ahead", "_arrived", "_buf", "duplicates", "in_order", "rcvd")
 
     def __init__(self, in_order: bool, start: int = 0, ahead: frozenset[int] = frozenset()):
         self.in_order = in_order
         self.rcvd = start  # every id below this has been released
         self._buf: dict[int, Any] = {}
-        self._heap: list[int] = []  # ids in _buf, for in_order=False
+        self._arrived: collections.deque[int] = collections.deque()  # in_order=False: ids in _buf
         self._ahead: set[int] = set(ahead)  # released ids > rcvd (in_order=False only)
         self.duplicates = 0
         self._advance()
@@ -55,7 +56,7 @@ class ReorderBuffer:
             return False
         self._buf[tid] = item
         if not self.in_order:
-            heapq.heappush(self._heap, tid)
+            self._arrived.append(tid)
         return True
 
     def ready(self) -> bool:
@@ -70,7 +71,7 @@ class ReorderBuffer:
             item = self._buf.pop(tid)
             self.rcvd = tid + 1
         else:
-            tid = heapq.heappop(self._heap)
+            tid = self._arrived.popleft()
             item = self._buf.pop(tid)
             if tid == self.rcvd:
                 self.rcvd = tid + 1
@@ -107,4 +108,4 @@ class ReorderBuffer:
         for tid in self._ahead:
             assert tid > self.rcvd, f"released-ahead id {tid} is not above rcvd {self.rcvd}"
         if not self.in_order:
-            assert sorted(self._heap) == sorted(self._buf), "heap and buffer disagree"
+            assert sorted(self._arrived) == sorted(self._buf), "arrival queue and buffer disagree"

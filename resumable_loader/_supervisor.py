@@ -32,10 +32,12 @@ import glob
 import logging
 import multiprocessing
 import os
+import pickle
 import re
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -74,6 +76,30 @@ STORM_MIN_RESPAWNS = 20
 # fds that the main process holds for all live supervisors; fork children close them.
 _registry_lock = threading.Lock()
 _MAIN_FDS: set[int] = set()
+
+
+def _warn_unpicklable(method: str, error: BaseException) -> None:
+    """Say, as torch does (its first words, which scripts match), that a worker could not be
+    started because what it needs could not be pickled; the error itself follows."""
+    warnings.warn(
+        "Got pickle error when attempting to start a worker Process: the "
+        f"{method!r} start method sends the dataset, collate_fn and worker_init_fn to each "
+        f"worker by pickling, and that failed ({type(error).__name__}: {error}). Make them "
+        "picklable (module-level classes and functions, no lambdas or open handles), or use "
+        "multiprocessing_context='fork' where it is available.",
+        stacklevel=_outside_the_package(),
+    )
+
+
+def _outside_the_package() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside this package."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        here + os.sep
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _register_fds(*fds: int) -> None:
@@ -352,6 +378,14 @@ class Supervisor:
             mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             try:
                 proc.start()
+            except BaseException as e:
+                # No worker: none of the four pipe ends has an owner.
+                _unregister_fds(*main_fds)
+                for end in (task_r, task_w, result_r, result_w):
+                    end.close()
+                if isinstance(e, (TypeError, AttributeError, pickle.PicklingError)):
+                    _warn_unpicklable(self.ctx.get_start_method(), e)
+                raise
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # The child has its copies now; ours would keep the pipes open after it dies.

@@ -29,7 +29,7 @@ import torch
 
 from . import _transport
 from ._errors import RemoteTraceback
-from ._schema import has_state
+from ._schema import has_state, same_state
 from ._seeding import STREAM, TASK, capture_rngs, derive_seed, restore_rngs, seed_global_rngs
 
 # Main -> worker message tags.
@@ -260,6 +260,12 @@ class StreamFetcher:
             if state is not None:
                 ds.load_state_dict(state)
             self.it = iter(ds)
+            if state is not None and not same_state(ds.state_dict(), state):
+                # iter() reset the position just loaded: the dataset was written for
+                # torchdata's order (iter() first, then load_state_dict). Load it again into the
+                # iterator that now exists. A dataset whose iter() starts from the loaded state
+                # (or a generator, which runs nothing yet) reports it unchanged: loaded once.
+                ds.load_state_dict(state)
             self.holder = ds
         else:
             self.it = iter(ds)
@@ -637,10 +643,10 @@ class _WorkerLoop:
         return True
 
     def _start_stream(self, resume: Any) -> bool:
-        epoch, base, wid = self.epoch, self.base, self.wid
+        base, wid = self.base, self.wid
 
         def seed_for(k: int) -> int:
-            return derive_seed(STREAM, base, epoch, wid, k)
+            return derive_seed(STREAM, base, wid, k)
 
         def run_start(fn: Any, fetch_seed: int) -> Any:
             seed_global_rngs(fetch_seed)
@@ -659,9 +665,9 @@ class _WorkerLoop:
         """Fetch one task under its seed: the RESULT message (OK, END or ERROR)."""
         spec, fetcher, shm = self.spec, self.fetcher, self.shm
         if spec.iterable:
-            self.seed = derive_seed(STREAM, self.base, self.epoch, self.wid, payload)
+            self.seed = derive_seed(STREAM, self.base, self.wid, payload)
         else:
-            self.seed = derive_seed(TASK, self.base, self.epoch, tid)
+            self.seed = derive_seed(TASK, self.base, tid)
         seed_global_rngs(self.seed)
         fetcher.shared = shm.allow()
         if spec.iterable:

@@ -7,6 +7,10 @@
 ``StatefulShard``                 ``Shard`` with ``state_dict``/``load_state_dict`` (a cursor;
                                   rewinds itself when its generator ends, as many datasets do).
 ``IteratorStateShard``            state on the iterator object instead of the dataset.
+``ResetInIterShard``              its own iterator; ``__iter__`` resets the cursor (torchdata's
+                                  order: ``iter()``, then ``load_state_dict``).
+``StartInIterShard``              ``__iter__`` starts from a position loaded before it (the
+                                  other order).
 ``StatefulSampler(n, seed)``      a user sampler with its own ``state_dict`` (epoch + position).
 ``NoStateSampler(n)``             a custom sampler without state (fast-forwarded on resume).
 ``PosState``                      mixin: ``state_dict``/``load_state_dict`` of a cursor ``pos``.
@@ -87,6 +91,55 @@ class StatefulShard(Shard):
 
     def load_state_dict(self, sd: dict) -> None:
         self.pos = sd["pos"]
+
+
+class ResetInIterShard(IterableDataset):
+    """Written for torchdata's order (``iter()`` first, then ``load_state_dict``): ``__iter__``
+    resets the cursor eagerly and the dataset is its own iterator."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.values: list[int] = []
+        self.pos = 0
+
+    def __iter__(self):
+        self.values = _shard(self.n)
+        self.pos = 0
+        return self
+
+    def __next__(self):
+        if self.pos >= len(self.values):
+            raise StopIteration
+        v = self.values[self.pos]
+        self.pos += 1
+        return _item(v)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+class StartInIterShard(IterableDataset):
+    """Written for the other order (``load_state_dict`` first): the loaded position waits
+    in the dataset, and ``__iter__`` builds an iterator that starts there (and takes it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pending = 0
+        self.live: _ShardIter | None = None
+
+    def __iter__(self):
+        self.live = _ShardIter(self.n)
+        self.live.pos, self.pending = self.pending, 0
+        return self.live
+
+    def state_dict(self) -> dict:
+        return {"pos": self.live.pos if self.live is not None else self.pending}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pending = sd["pos"]
 
 
 class _ShardIter:

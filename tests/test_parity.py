@@ -65,6 +65,8 @@ from _datasets import (
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import get_worker_info
 
+from resumable_loader.testing import Resources, leaks_since
+
 SELFTEST = os.environ.get("RL_PARITY_SELFTEST") == "1"
 if SELFTEST:
     Ours = TorchDataLoader
@@ -505,6 +507,31 @@ def test_shuffle_different_seed_different_order(how: str, workers: int) -> None:
     assert _seeded_orders(how, SEED, workers) != _seeded_orders(how, SEED + 1, workers)
 
 
+@pytest.mark.parametrize("workers", [0, 2], ids=["w0", "w2"])
+@pytest.mark.parametrize("how", ["global", "generator"])
+def test_reseeding_one_loader_before_each_epoch_repeats_it_like_torch(how: str, workers: int):
+    # torch draws the epoch's seed at iter(): reseeding before iter() repeats the epoch, on the
+    # same loader object, however many epochs it has run.
+    def orders(cls) -> list[list[int]]:
+        g = torch.Generator()
+        loader = cls(
+            RangeDataset(20),
+            batch_size=4,
+            shuffle=True,
+            num_workers=workers,
+            generator=g if how == "generator" else None,
+            **({"multiprocessing_context": "fork"} if workers else {}),
+        )
+        out = []
+        for seed in (SEED, SEED, SEED + 1, SEED):
+            (g if how == "generator" else torch.random.default_generator).manual_seed(seed)
+            out.append(indices(list(loader)))
+        return out
+
+    for got in (orders(TorchDataLoader), orders(Ours)):
+        assert got[0] == got[1] == got[3] != got[2]
+
+
 def _augmentations(seed: int) -> list[tuple[float, ...]]:
     torch.manual_seed(seed)
     loader = Ours(RandomAugDataset(12), batch_size=3, num_workers=2, multiprocessing_context="fork")
@@ -633,6 +660,102 @@ def test_task_i_goes_to_worker_i_mod_n_like_torch(workers: int, batch_size: int 
 class IterRaises(torch.utils.data.IterableDataset):
     def __iter__(self):
         raise ValueError("Error in __iter__")
+
+
+class Unpicklable(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.transform = lambda x: x  # a lambda cannot be pickled for spawn/forkserver
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return self.transform(i)
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_an_unpicklable_dataset_warns_and_raises_like_torch(mp_helpers, context: str) -> None:
+    def outcome(cls) -> tuple[type, str, list[str]]:
+        loader = cls(Unpicklable(), num_workers=2, multiprocessing_context=context)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(Exception) as info:
+                iter(loader)
+        said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        return info.type, str(info.value), said
+
+    expected = outcome(TorchDataLoader)
+    collect_torch_reference_garbage()
+    before = Resources.now()
+    with warnings.catch_warnings():
+        # The pipes of the worker that could not start are closed, not left to the collector.
+        warnings.simplefilter("error", ResourceWarning)
+        got = outcome(Ours)
+    assert got[:2] == expected[:2]
+    assert [m[:40] for m in got[2]] == [m[:40] for m in expected[2]]
+    assert got[2][0].startswith("Got pickle error when attempting to start a worker Process")
+    assert leaks_since(before) == []
+
+
+class HeldFirstItem(torch.utils.data.Dataset):
+    """Item 0 is held back until the main process has received item 9: a slow sample whose
+    slowness ends on a signal, not after a guessed time."""
+
+    def __init__(self, release) -> None:
+        self.release = release
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        if i == 0:
+            assert self.release.wait(60), "item 9 never arrived"
+        return i
+
+
+class HeldFirstStream(torch.utils.data.IterableDataset):
+    """Worker w yields w, w + n, ...; worker 0 holds its first item like ``HeldFirstItem``."""
+
+    def __init__(self, release) -> None:
+        self.release = release
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(info.id, 10, info.num_workers):
+            if i == 0:
+                assert self.release.wait(60), "item 9 never arrived"
+            yield i
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_in_order_false_passes_a_slow_worker_by_like_torch(kind: str) -> None:
+    # torch, with in_order=False, gives the next task to the next worker that has room and
+    # hands results over as they arrive: the other worker's items overtake the held one.
+    import multiprocessing
+
+    def order(cls) -> list[int]:
+        release = multiprocessing.get_context("fork").Event()
+        ds = HeldFirstItem(release) if kind == "map" else HeldFirstStream(release)
+        loader = cls(
+            ds,
+            batch_size=None,
+            num_workers=2,
+            prefetch_factor=2,
+            in_order=False,
+            multiprocessing_context="fork",
+        )
+        got = []
+        for x in loader:
+            got.append(int(x))
+            if got[-1] == 9:
+                release.set()
+        return got
+
+    expected = order(TorchDataLoader)
+    assert expected == (
+        [1, 3, 4, 5, 6, 7, 8, 9, 0, 2] if kind == "map" else [1, 3, 5, 7, 9, 0, 2, 4, 6, 8]
+    )
+    assert order(Ours) == expected
 
 
 @pytest.mark.parametrize("workers", [0, 2])
