@@ -6,6 +6,7 @@ have produced. Workers that die or hang are replaced and their tasks re-sent.
 """
 
 from ._codec import dump_state, load_state
+from ._distributed import merge_rank_states
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
 from ._loader import DataLoader, RetryPolicy
 from ._stats import LoaderStatistics
@@ -22,6 +23,7 @@ __all__ = [
     "__version__",
     "dump_state",
     "load_state",
+    "merge_rank_states",
 ]
 
 

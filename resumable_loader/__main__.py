@@ -251,12 +251,12 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
         out.field("  (config)", _describe(config))
 
     seed, epoch = state.get("seed", MISSING), state.get("epoch", MISSING)
-    out.field("seed", _scalar(seed))
+    out.field("seed", _scalar(seed) if seed is not None else "None (drawn when the epoch begins)")
     out.field("epoch", _scalar(epoch))
     if _is_count(seed) and _is_count(epoch):
         out.field(
             "epoch seeds",
-            f"shuffle {derive_seed(SAMPLER, seed, epoch)}; each batch from (seed, epoch, task id)",
+            f"shuffle {derive_seed(SAMPLER, seed)}; each batch from (seed, task id)",
         )
     consumed = state.get("consumed", MISSING)
     ahead = state.get("delivered_ahead", MISSING)
@@ -310,7 +310,7 @@ def _outstanding_lines(out: _Lines, outstanding: Any, sampler: Any, consumed: An
         if sampler == "sequential" or sampler.startswith("random("):
             out.field(
                 "outstanding",
-                f"- (built-in sampler: tasks {consumed} on are recomputed from seed and epoch)",
+                f"- (built-in sampler: tasks {consumed} on are recomputed from the seed)",
             )
             return
         if sampler.startswith("fastforward:"):

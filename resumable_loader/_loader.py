@@ -48,6 +48,7 @@ import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
+from . import _distributed as D
 from . import _schema as S
 from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError
@@ -55,8 +56,9 @@ from ._lifecycle import Cursor, Life
 from ._pin import PinStage, current_device_index, pin_memory
 from ._recovery import POISON, SKIPPED, Recovery
 from ._reorder import ReorderBuffer
-from ._sampling import BUILTIN, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
+from ._sampling import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
+    DIST_SEED,
     STREAM,
     TASK,
     WORKER,
@@ -193,7 +195,7 @@ class _BaseIter:
         self._plan: IndexPlan = loader._plan
         self._iterable = self._plan.kind == ITERABLE
         self._stateful_sampler = self._plan.kind == STATEFUL
-        self._base: int = loader._ensure_seed()
+        self._base: int = loader._seed
         self._counters: Counters = loader._counters
         # An iterable dataset's len(loader), if the caller asked for it: more batches than that
         # is warned about, as torch does (scripts watch for it).
@@ -379,7 +381,7 @@ class _SingleProcessIter(_BaseIter):
                 return run(fn)[0]
 
             with GlobalRngGuard():
-                fetcher.start(resume, lambda k: derive_seed(STREAM, base, epoch, 0, k), replay)
+                fetcher.start(resume, lambda k: derive_seed(STREAM, base, 0, k), replay)
             p.k = wp.delivered
             p.exhausted = wp.exhausted
             p.tid = p.consumed
@@ -434,7 +436,7 @@ class _SingleProcessIter(_BaseIter):
             break
         if self._stateful_sampler:
             p.drawn[tid] = indices
-        p.seed = derive_seed(TASK, self._base, self.epoch, tid)
+        p.seed = derive_seed(TASK, self._base, tid)
         try:
             with GlobalRngGuard():
                 seed_global_rngs(p.seed)
@@ -465,7 +467,7 @@ class _SingleProcessIter(_BaseIter):
         if p.exhausted:
             self._finish()
             raise StopIteration
-        seed = derive_seed(STREAM, self._base, self.epoch, 0, p.k)
+        seed = derive_seed(STREAM, self._base, 0, p.k)
         try:
             with GlobalRngGuard():
                 seed_global_rngs(seed)
@@ -640,6 +642,7 @@ class _MultiProcessIter(_BaseIter):
             reorder.seen,
             backlog,
             next_worker,
+            self._in_order,
         )
         disp.gen = gen
         disp.epoch = self.epoch
@@ -962,7 +965,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self.stream_state_every = stream_state_every
         self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)
         self._counters = Counters()
-        self._base_seed: int | None = None
+        # The seed of the latest epoch begun, drawn at its iter() as torch draws its base seed;
+        # and how many seeds were drawn from the loader's own generator so far (a resumed
+        # loader advances its generator as far, so later epochs draw what they drew).
+        self._seed = 0
+        self._draws = 0
         self._next_epoch = 0
         self._resume: S.ResumePoint | None = None
         self._active: Callable[[], _BaseIter | None] = lambda: None
@@ -981,11 +988,14 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Any:
         if self._closed:
             raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
-        self._ensure_seed()
         # torch's meaning of iter(): a new epoch, also after an abandoned one; a state given
         # to load_state_dict() is continued instead.
         rp, self._resume = self._resume, None
         epoch = rp.epoch if rp is not None else self._next_epoch
+        if self._plan.kind == DISTRIBUTED:
+            self._seed = self._distributed_epoch(rp)
+        else:
+            self._seed = rp.seed if rp is not None and rp.seed is not None else self._draw_seed()
         old = self._active()
         if old is not None and self.persistent_workers and old.is_open:
             old._abandon(
@@ -1012,14 +1022,44 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._cursor = it._cursor
         return it
 
-    def _ensure_seed(self) -> int:
-        if self._base_seed is None:
-            gen = self.generator
-            inner = getattr(self.sampler, "generator", None)
-            if gen is None and type(self.sampler) is torch.utils.data.RandomSampler:
-                gen = inner
-            self._base_seed = draw_base_seed(gen)
-        return self._base_seed
+    def _distributed_epoch(self, rp: S.ResumePoint | None) -> int:
+        """Set the DistributedSampler epoch (and resize levels) the next epoch iterates, and
+        return its seed: a function of (sampler seed, sampler epoch, level, rank), the same in
+        a resumed run, with no RNG drawn."""
+        sampler = self._plan.sampler
+        history: list[Any] = []
+        if rp is not None and (rp.consumed or rp.ahead or rp.history):
+            if sampler.epoch != rp.sampler_epoch:
+                self._resume = rp  # nothing was delivered: the next iter() may try again
+                raise CheckpointError(
+                    f"cannot continue the saved epoch: the state is in the middle of the "
+                    f"DistributedSampler's epoch {rp.sampler_epoch}, but set_epoch("
+                    f"{sampler.epoch}) was called after load_state_dict(). Call "
+                    f"sampler.set_epoch({rp.sampler_epoch}) for the resumed epoch (the loader "
+                    "state's ['distributed']['sampler_epoch'])."
+                )
+            history = rp.history
+        self._plan.dist_position = (sampler.epoch, history)
+        return derive_seed(
+            DIST_SEED, sampler.seed, sampler.epoch, len(history), sampler.num_replicas, sampler.rank
+        )
+
+    def _generator(self) -> torch.Generator | None:
+        """The generator an epoch's seed is drawn from: the loader's, else that of torch's own
+        RandomSampler, else None (torch's global RNG)."""
+        gen = self.generator
+        if gen is None and type(self.sampler) is torch.utils.data.RandomSampler:
+            gen = self.sampler.generator
+        return gen
+
+    def _draw_seed(self) -> int:
+        """A new epoch's seed, drawn as torch draws its base seed at each ``iter()``: so
+        ``torch.manual_seed(s)`` (or ``generator.manual_seed(s)``) before an epoch gives the
+        same epoch again."""
+        gen = self._generator()
+        if gen is not None:
+            self._draws += 1
+        return draw_base_seed(gen)
 
     def _pin_fn(self) -> Callable[[Any], Any] | None:
         if self._force_pin_fn is not None:
@@ -1044,9 +1084,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         return pin_memory
 
     def _make_supervisor(self, epoch: int) -> Supervisor:
-        base = self._ensure_seed()
-        # Persistent workers live across epochs: their seed cannot depend on the epoch.
-        seed_epoch = -1 if self.persistent_workers else epoch
+        # The seed of the epoch the workers start in (persistent ones keep it: each epoch's
+        # own seed reaches them with its EPOCH message).
+        base = self._seed
         iterable = self._plan.kind == ITERABLE
 
         # A plain dict, not a closure over the loader: the supervisor is kept alive by the
@@ -1066,9 +1106,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         )
 
         def make_spec(wid: int) -> WorkerSpec:
-            return WorkerSpec(
-                worker_id=wid, worker_seed=derive_seed(WORKER, base, seed_epoch, wid), **common
-            )
+            return WorkerSpec(worker_id=wid, worker_seed=derive_seed(WORKER, base, wid), **common)
 
         return Supervisor(
             self.multiprocessing_context or multiprocessing.get_context(),
@@ -1109,7 +1147,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 n = None
             ws, rank = 1, 0
             dist = torch.distributed
-            if dist.is_available() and dist.is_initialized():
+            if self._plan.kind == DISTRIBUTED:
+                # The sampler's own view: what its shard depends on.
+                ws, rank = self._plan.sampler.num_replicas, self._plan.sampler.rank
+            elif dist.is_available() and dist.is_initialized():
                 ws, rank = dist.get_world_size(), dist.get_rank()
             self._config_cache = {
                 "dataset_kind": "iterable" if self._plan.kind == ITERABLE else "map",
@@ -1129,12 +1170,25 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         Valid at any moment between batches. Loading it into a loader built the same way makes
         that loader yield exactly the batches this one would have yielded next. Save it with
         ``torch.save`` (``weights_only=True`` loads it), json, or ``dump_state``.
+
+        It is this rank's own state (no collective: rank 0 alone may call it), except when
+        ``torch.distributed.checkpoint`` calls it (``dcp.save``/``dcp.load`` call it on every
+        rank): there it is the job's global state, gathered from every rank and the same on
+        all of them, which any number of ranks can load (see ``merge_rank_states``).
         """
+        if D.called_by_dcp():
+            return D.merge_rank_states(D.gather(self._rank_state()))
+        return self._rank_state()
+
+    def _rank_state(self) -> dict[str, Any]:
         cursor = self._cursor
-        if self._resume is not None and self._resume.source is not None:
-            return copy.deepcopy(self._resume.source)
+        if self._resume is not None:
+            if self._resume.source is not None:
+                return copy.deepcopy(self._resume.source)
+            return self._resume.to_state(self._config)  # re-cut from a global state
         if cursor is not None and not cursor.finished:
             rp: S.ResumePoint = cursor.position()
+            rp.seed = self._seed
             if self._delivered_to_its_end(rp):
                 # Only StopIteration is left of this epoch: say so as the state after it does,
                 # so a resume (and a trainer counting epochs, such as Lightning) starts the
@@ -1142,14 +1196,21 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 rp = self._epoch_start(rp.epoch + 1)
         else:
             rp = self._epoch_start(self._next_epoch)
-        rp.seed = self._ensure_seed()
+        if self._plan.kind == DISTRIBUTED:
+            rp.distributed = True
+            if rp.seed is not None:  # within an epoch: the sampler epoch and levels it uses
+                rp.sampler_epoch, rp.history = self._plan.dist_position
+            else:
+                rp.sampler_epoch = self._plan.sampler.epoch
+        rp.draws = self._draws
         rp.skipped = [list(x) for x in self._counters.skipped]
         return rp.to_state(self._config)
 
     def _epoch_start(self, epoch: int) -> S.ResumePoint:
         kind = self._plan.kind
+        # seed None: the epoch has not begun, its seed is drawn at its iter().
         rp = S.ResumePoint(
-            seed=0, epoch=epoch, stateful=kind == STATEFUL, iterable=kind == ITERABLE
+            seed=None, epoch=epoch, stateful=kind == STATEFUL, iterable=kind == ITERABLE
         )
         if rp.stateful:
             rp.sampler_state = self._plan.sampler_state()
@@ -1174,6 +1235,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
         if kind == BUILTIN:
             return rp.consumed >= len(self)
+        if kind == DISTRIBUTED:
+            return rp.consumed >= self._plan.distributed_tasks(*self._plan.dist_position)
         return False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1184,7 +1247,51 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 configuration (the message names the field, both values and the fix). The
                 loader is then left exactly as it was.
         """
+        if D.is_global(state_dict):
+            states = D.split_global(state_dict)
+            world, rank = self._config["world_size"], self._config["rank"]
+            if len(states) != world or self._plan.kind != DISTRIBUTED:
+                # Another world size (re-cut), or a sampler that cannot be re-cut: the
+                # re-cut says which.
+                self._load_point(self._recut(states), None)
+                return
+            state_dict = states[rank]
         rp = S.ResumePoint.from_state(state_dict, self._config, self._plan.kind == STATEFUL)
+        self._load_point(rp, state_dict)
+
+    def _recut(self, states: list[dict[str, Any]]) -> S.ResumePoint:
+        """The position of this rank from every rank's state of a job on another world size."""
+        config = self._config
+        world = len(states)
+        if self._plan.kind != DISTRIBUTED:
+            if world == config["world_size"]:
+                return S.ResumePoint.from_state(
+                    states[config["rank"]], config, self._plan.kind == STATEFUL
+                )
+            raise CheckpointError(
+                f"cannot load DataLoader state: world_size: the checkpoint is from {world} "
+                f"ranks, this loader has {config['world_size']}. Only torch's "
+                "DistributedSampler's position can be re-cut for another number of ranks; "
+                "with any other sampler, resume on the same number of ranks."
+            )
+        points = [
+            S.ResumePoint.from_state(sd, dict(config, world_size=world, rank=r), False)
+            for r, sd in enumerate(states)
+        ]
+        return D.recut(points, self._plan, self._batching_size())
+
+    def _batching_size(self) -> int | None:
+        return self.batch_size if self._auto_collation else None
+
+    def _load_point(self, rp: S.ResumePoint, state_dict: dict[str, Any] | None) -> None:
+        if self._plan.kind == DISTRIBUTED:
+            share = self._plan.distributed_tasks(rp.sampler_epoch, rp.history)
+            if rp.consumed + len(rp.ahead) > share:
+                raise CheckpointError(
+                    f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
+                    f"batches consumed, but this rank's share of the epoch has only {share}. "
+                    "Build the loader with the dataset, batch size and sampler of the checkpoint."
+                )
         if self._plan.kind in (BUILTIN, FASTFORWARD):
             try:
                 total = len(self)
@@ -1196,7 +1303,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                     f"batches consumed, but an epoch of this loader has only {total}. Build the "
                     "loader with the dataset and batch size of the checkpoint."
                 )
-        rp.source = copy.deepcopy(state_dict)
+        rp.source = copy.deepcopy(state_dict) if state_dict is not None else None
+        if rp.distributed:
+            # Its epoch, as a script that calls set_epoch() before each epoch would set it.
+            self._plan.sampler.set_epoch(rp.sampler_epoch)
         old = self._active()
         if old is not None:
             old._abandon("replaced by load_state_dict(): iterate the loader again to continue")
@@ -1205,7 +1315,13 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             # Its workers carry datasets advanced by prefetching and seeds of the old state:
             # resume as a freshly built loader would.
             self._drop_pool()
-        self._base_seed = rp.seed
+        gen = self._generator()
+        if gen is not None:
+            # Advance the generator as far as the saved loader had drawn from it, so that the
+            # epochs after the resumed one draw the seeds the uninterrupted run drew.
+            for _ in range(rp.draws - self._draws):
+                draw_base_seed(gen)
+            self._draws = max(self._draws, rp.draws)
         self._resume = rp
         self._next_epoch = rp.epoch
         self._counters.skipped = [[e, t, S.plain_indices(i)] for e, t, i in rp.skipped]

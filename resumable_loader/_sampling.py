@@ -10,6 +10,10 @@ source of task indices that can start at any position:
 * ``stateful``: a user sampler/batch sampler with ``state_dict()``/``load_state_dict()`` (also
   inside torch's ``BatchSampler``); its own state is saved, as of the batches drawn so far,
   together with the indices of batches drawn but not yet consumed.
+* ``distributed``: torch's ``DistributedSampler`` (batched by torch's ``BatchSampler`` or
+  unbatched). Its order is recomputed from (its seed, its epoch) and the levels of a resume on
+  another number of ranks (see ``_distributed``): the state is O(1) per rank, and a state can be
+  re-cut for another world size.
 * ``fastforward``: any other sampler; on resume its iterator is re-created and ``position``
   tasks are drawn and discarded (no data is fetched). O(position) sampler steps; exact when the
   sampler's order is a function of the epoch (e.g. ``DistributedSampler`` after ``set_epoch``)
@@ -27,12 +31,14 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
+from . import _distributed as D
 from ._schema import has_state
 from ._seeding import SAMPLER, derive_seed
 
 BUILTIN = "builtin"
 STATEFUL = "stateful"
 FASTFORWARD = "fastforward"
+DISTRIBUTED = "distributed"
 ITERABLE = "iterable"
 
 
@@ -78,7 +84,14 @@ class IndexPlan:
             builtin_batching = not auto_collation or type(batch_sampler) is BatchSampler
             if auto_collation and type(batch_sampler) is BatchSampler:
                 inner = batch_sampler.sampler
-            if builtin_batching and type(inner) in (SequentialSampler, RandomSampler):
+            if builtin_batching and D.is_torch_distributed_sampler(inner):
+                self.kind = DISTRIBUTED
+                # Not its world size or rank: a state may be resumed on another world size.
+                self.description = (
+                    f"distributed(shuffle={inner.shuffle}, seed={inner.seed}, "
+                    f"drop_last={inner.drop_last})"
+                )
+            elif builtin_batching and type(inner) in (SequentialSampler, RandomSampler):
                 self.kind = BUILTIN
                 if type(inner) is SequentialSampler:
                     self.description = "sequential"
@@ -92,6 +105,31 @@ class IndexPlan:
                 if auto_collation and type(batch_sampler) is BatchSampler:
                     self.description += f"({_qualname(inner)})"
         self._inner = inner
+        # DISTRIBUTED: the sampler epoch and the levels' history of the epoch being iterated,
+        # set by the loader before it asks for the epoch (see ``distributed_share``).
+        self.dist_position: tuple[int, list[Any]] = (0, [])
+        self._share_cache: tuple[Any, np.ndarray] | None = None
+
+    def distributed_share(self, sampler_epoch: int, history: list[Any]) -> np.ndarray:
+        """This rank's sample indices of the epoch at the level after ``history`` (cached)."""
+        key = (sampler_epoch, repr(history))
+        if self._share_cache is None or self._share_cache[0] != key:
+            s = self._inner
+            seq = D.level_sequence(D.epoch_order(s, sampler_epoch), history, s.drop_last)
+            share = D.rank_share(seq, s.num_replicas, s.rank, s.drop_last)
+            self._share_cache = (key, share)
+        return self._share_cache[1]
+
+    def distributed_tasks(self, sampler_epoch: int, history: list[Any]) -> int:
+        """How many tasks this rank's share of that epoch makes."""
+        return _BuiltinEpoch(
+            self.distributed_share(sampler_epoch, history), self._batching(), 0
+        ).tasks
+
+    @property
+    def sampler(self) -> Any:
+        """The sampler that orders the samples (inside torch's BatchSampler, if any)."""
+        return self._inner
 
     def sampler_state(self) -> Any:
         """The stateful sampler's own state (as of the tasks drawn so far), else None."""
@@ -129,7 +167,7 @@ class IndexPlan:
             bs, drop_last = self._batching()
             return _EagerEnd(self._stateful_obj, bs, drop_last, start)
         if self.kind == FASTFORWARD:
-            it = _SeededDraws(self._index_sampler, derive_seed(SAMPLER, base_seed, epoch))
+            it = _SeededDraws(self._index_sampler, derive_seed(SAMPLER, base_seed))
             for skipped in range(start):
                 try:
                     next(it)
@@ -139,6 +177,9 @@ class IndexPlan:
                         f"{start} were consumed"
                     ) from None
             return it
+        if self.kind == DISTRIBUTED:
+            share = self.distributed_share(*self.dist_position)
+            return _BuiltinEpoch(share, self._batching(), start)
         return _BuiltinEpoch(self._order(base_seed, epoch), self._batching(), start)
 
     def _batching(self) -> tuple[int | None, bool]:
@@ -154,7 +195,7 @@ class IndexPlan:
         n = len(inner.data_source)
         num_samples = inner.num_samples
         g = torch.Generator()
-        g.manual_seed(derive_seed(SAMPLER, base_seed, epoch))
+        g.manual_seed(derive_seed(SAMPLER, base_seed))
         if inner.replacement:
             return torch.randint(
                 high=n, size=(num_samples,), dtype=torch.int64, generator=g
@@ -223,6 +264,10 @@ class _BuiltinEpoch(Iterator[Any]):
                 "consumed"
             )
         self._pos = start
+
+    @property
+    def tasks(self) -> int:
+        return self._ntasks
 
     def __next__(self) -> Any:
         t = self._pos

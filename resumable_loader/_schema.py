@@ -10,7 +10,10 @@ is json-able) and msgpack (``dump_state``). Keys:
 
     format, version       what this is; refused if unknown
     config                the configuration the state is valid for (refused on mismatch)
-    seed                  the base seed every other seed derives from
+    seed                  the epoch's seed, every other seed of the epoch derives from it;
+                          None when the epoch has not begun (drawn at its ``iter()``)
+    generator_draws       seeds drawn so far from the loader's generator (a resumed loader
+                          draws as many first, so later epochs get the same seeds)
     epoch                 the epoch to continue (or start)
     consumed              batches of that epoch the user has consumed, in order
     delivered_ahead       task ids > consumed already delivered (in_order=False)
@@ -24,6 +27,9 @@ is json-able) and msgpack (``dump_state``). Keys:
                           after ``state_at`` of them (the rest are replayed on resume); and
                           the worker whose batch comes next
     skipped               poison tasks skipped so far: [epoch, task id, indices]
+    distributed           torch's DistributedSampler only: {sampler_epoch, history}: the
+                          sampler's epoch being iterated, and the levels of resumes on another
+                          world size within it ([[world size, [samples each rank took]], ...])
 """
 
 from __future__ import annotations
@@ -35,12 +41,16 @@ from typing import Any
 from ._errors import CheckpointError
 
 FORMAT = "resumable_loader.DataLoader"
-VERSION = 1
+# 2: the seed is the epoch's, drawn at each iter() (1: one seed per loader, hashed with the
+# epoch). A version-1 state would resume with other shuffles, so it is refused.
+VERSION = 2
 
 K_FORMAT = "format"
 K_VERSION = "version"
 K_CONFIG = "config"
 K_SEED = "seed"
+K_DRAWS = "generator_draws"
+K_DIST = "distributed"
 K_EPOCH = "epoch"
 K_CONSUMED = "consumed"
 K_AHEAD = "delivered_ahead"
@@ -58,6 +68,8 @@ KNOWN_KEYS = (
     K_VERSION,
     K_CONFIG,
     K_SEED,
+    K_DRAWS,
+    K_DIST,
     K_SKIPPED,
     K_EPOCH,
     K_CONSUMED,
@@ -89,8 +101,11 @@ _FIX = {
     "batch_size": "build the loader with the batch_size the checkpoint was taken with",
     "drop_last": "build the loader with the drop_last the checkpoint was taken with",
     "sampler": "build the loader with the same sampler / shuffle setting as the checkpoint",
-    "world_size": "resume with the same number of distributed ranks",
-    "rank": "load each rank's own state (save per rank, e.g. under torch.distributed.checkpoint)",
+    "world_size": "resume with the same number of ranks, or -- with a DistributedSampler -- "
+    "load the job's global state on the new ranks: saved by torch.distributed.checkpoint, or "
+    "resumable_loader.merge_rank_states([the state of every rank])",
+    "rank": "load each rank's own state, or the job's global state (saved by "
+    "torch.distributed.checkpoint, or resumable_loader.merge_rank_states) on every rank",
     "num_workers": "an iterable dataset is sharded per worker, so a stream checkpoint can only "
     "resume with the same num_workers",
 }
@@ -124,8 +139,9 @@ class ResumePoint:
     groups of keys the state holds.
     """
 
-    seed: int
+    seed: int | None
     epoch: int
+    draws: int = 0
     consumed: int = 0
     ahead: frozenset[int] = frozenset()
     sampler_state: Any = None
@@ -135,8 +151,11 @@ class ResumePoint:
     workers: list[WorkerPosition] = field(default_factory=list)
     next_worker: int = 0
     skipped: list[Any] = field(default_factory=list)
+    sampler_epoch: int = 0
+    history: list[Any] = field(default_factory=list)
     stateful: bool = False
     iterable: bool = False
+    distributed: bool = False
     source: dict[str, Any] | None = field(default=None, compare=False)  # the state read
 
     def to_state(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +165,7 @@ class ResumePoint:
             K_VERSION: VERSION,
             K_CONFIG: dict(config),
             K_SEED: self.seed,
+            K_DRAWS: self.draws,
             K_SKIPPED: [[e, t, plain_indices(i)] for e, t, i in self.skipped],
             K_EPOCH: self.epoch,
             K_CONSUMED: self.consumed,
@@ -159,6 +179,11 @@ class ResumePoint:
         if self.iterable:
             sd[K_WORKERS] = [w.to_state(wid) for wid, w in enumerate(self.workers)]
             sd[K_NEXT_WORKER] = self.next_worker
+        if self.distributed:
+            sd[K_DIST] = {
+                "sampler_epoch": self.sampler_epoch,
+                "history": [[w, list(c)] for w, c in self.history],
+            }
         return sd
 
     @classmethod
@@ -172,6 +197,28 @@ def has_state(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Deep equality of two saved states: dicts, lists and tuples item by item, tensors and
+    arrays by value (their ``==`` is elementwise), anything else by ``==``. False rather than
+    an error for values that cannot be compared."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same_state(v, b[k]) for k, v in a.items())
+        )
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+        )
+    if hasattr(a, "shape") and hasattr(b, "shape"):
+        try:
+            return bool(a.shape == b.shape and (a == b).all())
+        except Exception:
+            return False
+    return _same(a, b)
 
 
 def plain_indices(idx: Any) -> Any:
@@ -232,8 +279,9 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     """
     _check_header(sd, config)
     rp = ResumePoint(
-        seed=_int(sd, K_SEED),
+        seed=None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED),
         epoch=_int(sd, K_EPOCH),
+        draws=_int(sd, K_DRAWS) if K_DRAWS in sd else 0,
         stateful=stateful_sampler,
         iterable=config["dataset_kind"] == "iterable",
         source=sd,
@@ -255,8 +303,42 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
         _read_sampler(sd, rp, config)
     if rp.iterable:
         _read_workers(sd, rp, max(1, config["num_workers"]))
+    if str(config["sampler"]).startswith("distributed("):
+        _read_distributed(sd, rp)
     rp.skipped = _read_skipped(sd)
     return rp
+
+
+def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
+    """A DistributedSampler's part: its epoch and the history of world-size changes."""
+    d = sd.get(K_DIST)
+    history = d.get("history") if isinstance(d, dict) else None
+    ok = (
+        isinstance(d, dict)
+        and type(d.get("sampler_epoch")) is int
+        and isinstance(history, list)
+        and all(
+            isinstance(h, list)
+            and len(h) == 2
+            and type(h[0]) is int
+            and h[0] >= 1
+            and isinstance(h[1], list)
+            and len(h[1]) == h[0]
+            and all(type(c) is int and c >= 0 for c in h[1])
+            for h in history
+        )
+    )
+    if not ok:
+        raise _fail(
+            K_DIST,
+            f"expected {{sampler_epoch: int, history: [[world size, [samples per rank]], ...]}}, "
+            f"got {d!r:.200}",
+            "the state is damaged",
+        )
+    assert isinstance(d, dict) and isinstance(history, list)
+    rp.distributed = True
+    rp.sampler_epoch = d["sampler_epoch"]
+    rp.history = [[w, list(c)] for w, c in history]
 
 
 def _check_header(sd: Any, config: dict[str, Any]) -> None:

@@ -1,13 +1,17 @@
-"""Seed derivation: every random draw the loader makes is a pure function of the base seed.
+"""Seed derivation: every random draw the loader makes is a pure function of the epoch's seed.
 
-The base seed is drawn once per loader (from ``generator`` or torch's global RNG, at the first
-``iter()``), stored in the state, and every other seed is derived from it by hashing:
+Each epoch's seed is drawn at its ``iter()`` -- from ``generator`` (the loader's, or that of
+torch's own RandomSampler) or else torch's global RNG, as torch draws its base seed -- so
+``torch.manual_seed(s)`` before an epoch gives that epoch again. The state records the seed of
+the epoch it is in (a resume continues that epoch whatever the RNGs say) and how many seeds
+were drawn from the generator (a resumed loader draws as many first, so later epochs match).
+Every other seed is derived from the epoch's seed by hashing:
 
-* the shuffle of epoch ``e``:               derive(SAMPLER, base, e)
-* worker ``w``'s process seed (started in epoch ``e``): derive(WORKER, base, e, w)
-* a map-style task (batch ``t`` of epoch ``e``):        derive(TASK, base, e, t)
-* the ``k``-th fetch of stream worker ``w`` in ``e``:   derive(STREAM, base, e, w, k)
-* ``iter(dataset)`` in stream worker ``w`` in ``e``:      derive(STREAM, base, e, w, -1)
+* the epoch's shuffle (or a custom sampler's draws): derive(SAMPLER, seed)
+* worker ``w``'s process seed:                        derive(WORKER, seed, w)
+* a map-style task (batch ``t`` of the epoch):        derive(TASK, seed, t)
+* the ``k``-th fetch of stream worker ``w``:          derive(STREAM, seed, w, k)
+* ``iter(dataset)`` in stream worker ``w``:           derive(STREAM, seed, w, -1)
 
 Before each task, python ``random``, numpy's global RNG and torch's CPU generator are seeded with
 the task seed, so a batch's random augmentations depend only on which batch it is -- not on
@@ -27,6 +31,8 @@ SAMPLER = 1
 WORKER = 2
 TASK = 3
 STREAM = 4
+DIST_SEED = 5  # an epoch's seed under a DistributedSampler
+SAMPLE = 6  # a sample's own seed (seed_per_sample)
 
 _MASK64 = (1 << 64) - 1
 _PERSON = b"resumable-loader"  # domain separation from any other blake2b use

@@ -356,7 +356,7 @@ def loader_state(**overrides: Any) -> dict[str, Any]:
     """A state shaped like DataLoader.state_dict(): two workers, iterable dataset, mid-epoch."""
     state: dict[str, Any] = {
         "format": "resumable_loader.DataLoader",
-        "version": 1,
+        "version": 2,
         "config": {
             "dataset_kind": "iterable",
             "dataset_len": None,

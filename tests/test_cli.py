@@ -46,7 +46,7 @@ def test_cli_inspects_a_dump_state_file(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "dump_state file" in out and "checksum ok" in out
-    assert "resumable_loader.DataLoader, version 1" in out
+    assert "resumable_loader.DataLoader, version 2" in out
     assert "iterable, length unknown" in out
     assert "17 tasks consumed; delivered ahead: [19, 20]" in out
     assert "task 18: 4 indices [72, 73, 74, 75]" in out
@@ -188,8 +188,8 @@ def test_summary_explains_outstanding_seeds_and_worker_states() -> None:
     del state["outstanding"]
     state["config"]["sampler"] = "random(replacement=False, num_samples=19)"
     text = format_summary(state)
-    seed, epoch, consumed = state["seed"], state["epoch"], state["consumed"]
-    assert f"shuffle {derive_seed(SAMPLER, seed, epoch)}" in text
-    assert f"tasks {consumed} on are recomputed from seed and epoch" in text
+    seed, consumed = state["seed"], state["consumed"]
+    assert f"shuffle {derive_seed(SAMPLER, seed)}" in text
+    assert f"tasks {consumed} on are recomputed from the seed" in text
     assert "state_at" in text and '{"pos": 36' in text  # worker 0's state, previewed
     assert "stats" in text.split("other keys")[1]  # an unknown key is listed as such

@@ -26,8 +26,10 @@ from _streams import (
     IteratorStateShard,
     NoStateSampler,
     PosState,
+    ResetInIterShard,
     SeqSamplerWithState,
     Shard,
+    StartInIterShard,
     StatefulSampler,
     StatefulShard,
     read_values,
@@ -98,18 +100,17 @@ def test_resume_through_each_storage_format(via: str) -> None:
 
 @pytest.mark.parametrize(("before", "after"), [(0, 2), (2, 0), (2, 3)])
 def test_map_resume_with_other_num_workers_gives_identical_batches(before: int, after: int) -> None:
-    def make() -> DataLoader:
+    def make(nw: int = before) -> DataLoader:
         return DataLoader(
-            RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=before, generator=gen()
+            RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=nw, generator=gen()
         )
 
-    def make_resumed() -> DataLoader:
-        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=after)
-
-    check_resume(make, epochs=2, make_resumed=make_resumed)
+    check_resume(make, epochs=2, make_resumed=lambda: make(after))
 
 
-def test_resume_ignores_the_new_loaders_generator_and_global_seed() -> None:
+def test_resumed_epoch_ignores_the_new_loaders_generator_and_global_seed() -> None:
+    # The saved epoch's seed is in the state; only the epochs after it draw from the
+    # (new) generator, as torch draws at each iter().
     def make() -> DataLoader:
         return DataLoader(
             RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(1)
@@ -121,7 +122,61 @@ def test_resume_ignores_the_new_loaders_generator_and_global_seed() -> None:
             RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=2, generator=gen(2)
         )
 
-    check_resume(make, epochs=2, make_resumed=make_resumed)
+    check_resume(make, epochs=1, make_resumed=make_resumed)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+@pytest.mark.parametrize("source", ["global", "generator"])
+def test_reseeding_before_iter_repeats_the_epoch(nw: int, source: str) -> None:
+    # torch draws an epoch's seed at each iter(): the same seed before iter() gives the same
+    # epoch -- the shuffle and the random augmentations.
+    g = torch.Generator()
+    loader = DataLoader(
+        RandomAugDataset(N),
+        batch_size=3,
+        shuffle=True,
+        num_workers=nw,
+        generator=g if source == "generator" else None,
+    )
+
+    def epoch(seed: int | None) -> list:
+        if seed is not None:
+            (g if source == "generator" else torch.random.default_generator).manual_seed(seed)
+        return [canonical(b) for b in loader]
+
+    first = epoch(5)
+    assert epoch(5) == first
+    assert epoch(None) != first, "an epoch without reseeding repeated the last one"
+    assert epoch(6) != first
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_global_rng_restored_with_the_model_resumes_later_epochs_exactly(nw: int) -> None:
+    # Without a generator the epochs after the resumed one draw their seeds from torch's
+    # global RNG, as in torch: a script that saves and restores that RNG (as it does for
+    # dropout) gets every later epoch too.
+    def make() -> DataLoader:
+        return DataLoader(RandomAugDataset(N), batch_size=3, shuffle=True, num_workers=nw)
+
+    torch.manual_seed(0)
+    reference = reference_stream(make, epochs=3)
+    torch.manual_seed(0)
+    first = make()
+    got = [[canonical(b) for b in first]]
+    it = iter(first)
+    got.append([canonical(next(it)) for _ in range(2)])
+    saved = roundtrip_state(first.state_dict(), "torch"), torch.get_rng_state()
+    del it
+    first.close()
+
+    torch.manual_seed(999)  # the new process: its own RNG history
+    resumed = make()
+    resumed.load_state_dict(saved[0])
+    torch.set_rng_state(saved[1])
+    got[1] += [canonical(b) for b in resumed]
+    got.append([canonical(b) for b in resumed])
+    resumed.close()
+    assert got == reference
 
 
 def test_values_do_not_depend_on_the_number_of_workers() -> None:
@@ -231,10 +286,17 @@ def test_state_dict_before_iterating_and_after_the_epoch() -> None:
     batches = list(loader)
     sd1 = loader.state_dict()
     assert (sd1["epoch"], sd1["consumed"]) == (1, 0)
-    assert sd0["seed"] == sd1["seed"]
-    again = DataLoader(RandomAugDataset(N), batch_size=3)
+    # Neither epoch has begun in its state: its seed is drawn at its iter(), from the
+    # generator, which has given one seed so far.
+    assert sd0["seed"] is None and sd1["seed"] is None
+    assert (sd0["generator_draws"], sd1["generator_draws"]) == (0, 1)
+    again = DataLoader(RandomAugDataset(N), batch_size=3, generator=gen())
     again.load_state_dict(sd0)
     assert [canonical(b) for b in again] == [canonical(b) for b in batches]
+    second = list(loader)
+    again = DataLoader(RandomAugDataset(N), batch_size=3, generator=gen())
+    again.load_state_dict(sd1)
+    assert [canonical(b) for b in again] == [canonical(b) for b in second]
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -298,7 +360,15 @@ def test_not_a_dict_is_refused() -> None:
 
 
 # ---- iterable datasets ------------------------------------------------------------------------
-STREAMS = {"stateful": StatefulShard, "iterator-state": IteratorStateShard, "plain": Shard}
+STREAMS = {
+    "stateful": StatefulShard,
+    "iterator-state": IteratorStateShard,
+    "plain": Shard,
+    # The two orders a dataset may be written for: iter() then load_state_dict (torchdata's),
+    # or load_state_dict then iter().
+    "reset-in-iter": ResetInIterShard,
+    "start-in-iter": StartInIterShard,
+}
 STREAM_CONFIGS = {
     "w0-b3": dict(num_workers=0, batch_size=3),
     "w0-bNone": dict(num_workers=0, batch_size=None),

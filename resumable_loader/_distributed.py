@@ -1,0 +1,288 @@
+"""Ranks: torch's DistributedSampler as a built-in sampler, global states, elastic resume.
+
+**The global order.** With ``DistributedSampler(ds, num_replicas=W, rank=r, shuffle, seed,
+drop_last)`` an epoch's order ``P`` depends only on (seed, sampler epoch, len(ds)): a
+permutation (or ``range``). torch cuts it for W ranks -- padded by repeating its head up to a
+multiple of W, or (``drop_last``) trimmed down to one -- and rank r takes positions
+r, r + W, r + 2W, ... So after every rank has consumed c samples, the consumed positions are
+exactly ``P[:c * W]``: a prefix, whatever W is.
+
+**A level** is one world size's cut of a sequence. An epoch starts at level 0: the sequence is
+``P`` and the cut is torch's own, so a rank's indices equal ``list(sampler)``. A resume on W'
+ranks from a state saved by W ranks opens the next level: its sequence is what the previous
+level left unconsumed -- every position of the previous cut, minus those each rank consumed
+(each rank's own count: ranks out of step are honoured, not rounded), minus the padding (those
+samples were repeats) -- in order, and W' ranks cut it as torch cuts an epoch. The state keeps
+the levels' history ``[[W, [samples consumed by each rank]], ...]``, so any number of resizes in
+one epoch compose. The only samples repeated or dropped are those torch's own rule gives at the
+end of the remaining sequence (fewer than W'), and the resume warns with their number.
+
+**Global state.** ``dcp.save`` calls ``state_dict()`` on every rank and keeps one copy of each
+key; ``dcp.load`` asks ``state_dict()`` for the keys to read. So inside DCP the loader returns
+the *global* state -- every rank's own state, gathered, the same on every rank under the same
+fixed keys -- which any world size can read. Elsewhere ``state_dict()`` stays the rank's own
+(no collective: rank 0 alone may call it for ``torch.save``), and ``merge_rank_states`` turns
+the per-rank states of all ranks into the global one.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from ._codec import dump_state, load_state
+from ._errors import CheckpointError
+
+GLOBAL_FORMAT = "resumable_loader.DataLoader.global"
+GLOBAL_VERSION = 1
+
+
+def is_torch_distributed_sampler(sampler: Any) -> bool:
+    """torch's DistributedSampler, or a subclass that keeps its order (same ``__iter__``)."""
+    return (
+        isinstance(sampler, DistributedSampler)
+        and type(sampler).__iter__ is DistributedSampler.__iter__
+    )
+
+
+def epoch_order(sampler: DistributedSampler, sampler_epoch: int) -> np.ndarray:
+    """The epoch's order P, before torch's cut for the ranks (as DistributedSampler makes it)."""
+    n = len(sampler.dataset)  # type: ignore[arg-type]
+    if sampler.shuffle:
+        g = torch.Generator()
+        g.manual_seed(sampler.seed + sampler_epoch)
+        return torch.randperm(n, generator=g).numpy()
+    return np.arange(n, dtype=np.int64)
+
+
+def cut_length(n: int, world: int, drop_last: bool) -> int:
+    """How many positions torch's cut of ``n`` for ``world`` ranks has (padded or trimmed)."""
+    if drop_last:
+        return (n // world) * world
+    return math.ceil(n / world) * world
+
+
+def rank_share(seq: np.ndarray, world: int, rank: int, drop_last: bool) -> np.ndarray:
+    """Rank ``rank``'s positions of torch's cut of ``seq`` for ``world`` ranks."""
+    total = cut_length(len(seq), world, drop_last)
+    if total > len(seq):
+        if len(seq) == 0:
+            return seq
+        reps = math.ceil(total / len(seq))
+        seq = np.tile(seq, reps)[:total]
+    return seq[rank:total:world]
+
+
+def remaining(seq: np.ndarray, world: int, consumed: list[int], drop_last: bool) -> np.ndarray:
+    """What a level leaves: ``seq``'s cut positions no rank consumed, padding excluded.
+
+    ``consumed[r]`` is how many samples rank r took from its share (its first ones).
+    """
+    total = min(len(seq), cut_length(len(seq), world, drop_last))
+    taken = np.zeros(total, dtype=bool)
+    for r, c in enumerate(consumed):
+        taken[r : min(total, c * world + r) : world] = True
+    return seq[:total][~taken]
+
+
+def level_sequence(order: np.ndarray, history: list[Any], drop_last: bool) -> np.ndarray:
+    """The sequence of the current level, after the levels in ``history``."""
+    seq = order
+    for world, consumed in history:
+        seq = remaining(seq, world, consumed, drop_last)
+    return seq
+
+
+def samples_taken(tasks: int, share: int, batch_size: int | None) -> int:
+    """Samples a rank consumed with ``tasks`` batches of its share of ``share`` samples."""
+    return min(share, tasks * (batch_size or 1))
+
+
+# ---- re-cut for another world size ---------------------------------------------------------
+def recut(points: list[Any], plan: Any, batch_size: int | None) -> Any:
+    """This rank's resume point, from the positions of every rank of a job with another world
+    size (``points[r]`` is rank r's validated ``ResumePoint``).
+
+    Raises:
+        CheckpointError: what cannot be continued exactly (in_order=False positions, ranks in
+            different epochs), with what to do.
+    """
+    from ._schema import ResumePoint
+
+    world = len(points)
+    sampler = plan.sampler
+    if any(p.ahead for p in points):
+        raise CheckpointError(
+            "cannot load DataLoader state: delivered_ahead: the checkpoint was taken with "
+            "in_order=False, whose delivered batches are not a prefix of each rank's share; "
+            f"it resumes only on the same number of ranks ({world})."
+        )
+    epoch = min(p.epoch for p in points)
+    within = [p for p in points if p.epoch == epoch]
+    started = [p for p in within if p.consumed or p.history]
+    done = [p for p in points if p.epoch != epoch]
+    if any(p.epoch != epoch + 1 or p.consumed or p.history for p in done):
+        raise CheckpointError(
+            "cannot load DataLoader state: epoch: the ranks' states are more than one batch "
+            f"apart (epochs {sorted({p.epoch for p in points})}); take the checkpoint at a "
+            "step all ranks reached."
+        )
+    skipped = sorted({tuple(map(repr, x)): x for p in points for x in p.skipped}.values())
+    if not started and not done:
+        # The epoch had not begun anywhere: a plain start, with the sampler's epoch.
+        return ResumePoint(
+            seed=None,
+            epoch=epoch,
+            distributed=True,
+            sampler_epoch=points[0].sampler_epoch,
+            skipped=skipped,
+        )
+    ref = (started or within)[0]
+    if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
+        raise CheckpointError(
+            "cannot load DataLoader state: distributed: the ranks' states are from different "
+            "epochs of the DistributedSampler; take the checkpoint at a step all ranks reached."
+        )
+    seq = level_sequence(epoch_order(sampler, ref.sampler_epoch), ref.history, sampler.drop_last)
+    share = cut_length(len(seq), world, sampler.drop_last) // world
+    taken = [
+        share if p.epoch != epoch else samples_taken(p.consumed, share, batch_size) for p in points
+    ]
+    history = [*ref.history, [world, taken]]
+    left = len(remaining(seq, world, taken, sampler.drop_last))
+    _warn_uneven(left, sampler.num_replicas, sampler.drop_last)
+    return ResumePoint(
+        seed=None,
+        epoch=epoch,
+        distributed=True,
+        sampler_epoch=ref.sampler_epoch,
+        history=history,
+        skipped=skipped,
+    )
+
+
+def _warn_uneven(left: int, world: int, drop_last: bool) -> None:
+    extra = left % world
+    if not extra:
+        return
+    import warnings
+
+    if drop_last:
+        said = (
+            f"the last {extra} of them are dropped (DistributedSampler(drop_last=True)), as "
+            "torch drops the tail of an epoch"
+        )
+    else:
+        said = (
+            f"{world - extra} of them are repeated to pad the last step (DistributedSampler("
+            "drop_last=False)), as torch pads an epoch"
+        )
+    warnings.warn(
+        f"resuming on {world} ranks: {left} samples of the epoch are left, not a multiple of "
+        f"{world}; {said}. Every other sample is delivered exactly once.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+# ---- inside DCP -----------------------------------------------------------------------------
+def called_by_dcp() -> bool:
+    """Whether ``torch.distributed.checkpoint`` (save or load) is calling us: there, every
+    rank calls ``state_dict()`` together, so a collective is safe."""
+    frame: Any = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def gather(local: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's state, in rank order (a collective when a process group is up)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
+
+
+def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The global state of a job from the ``state_dict()`` of each of its ranks (rank order).
+
+    Save each rank's ``loader.state_dict()`` (``torch.save`` per rank, as usual); to resume on
+    another number of ranks, load them all and pass ``merge_rank_states(states)`` to every
+    new rank's ``load_state_dict``. The result is plain data of fixed keys (the ranks' states
+    are encoded as text), so it is also what ``dcp.save`` stores.
+
+    Raises:
+        CheckpointError: the states are not one per rank 0..W-1 of one job.
+    """
+    if not isinstance(states, (list, tuple)) or not states:
+        raise CheckpointError(
+            "merge_rank_states: expected a list with the state_dict() of every rank, got "
+            f"{type(states).__name__}"
+        )
+    world = len(states)
+    for r, sd in enumerate(states):
+        cfg = sd.get("config") if isinstance(sd, dict) else None
+        if not isinstance(cfg, dict) or cfg.get("world_size") != world or cfg.get("rank") != r:
+            got = (cfg or {}).get("world_size"), (cfg or {}).get("rank")
+            raise CheckpointError(
+                f"merge_rank_states: entry {r} should be the state of rank {r} of {world} "
+                f"(config world_size, rank), but says {got}. Pass every rank's state, in rank "
+                "order."
+            )
+    return {
+        "format": GLOBAL_FORMAT,
+        "version": GLOBAL_VERSION,
+        "world_size": world,
+        "ranks": [base64.b64encode(dump_state(sd)).decode("ascii") for sd in states],
+    }
+
+
+def is_global(sd: Any) -> bool:
+    return isinstance(sd, dict) and sd.get("format") == GLOBAL_FORMAT
+
+
+def split_global(sd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-rank states inside a global state.
+
+    Raises:
+        CheckpointError: damaged or of an unknown version.
+    """
+    if sd.get("version") != GLOBAL_VERSION:
+        raise CheckpointError(
+            f"cannot load DataLoader state: version: this library reads global version "
+            f"{GLOBAL_VERSION}, the state is {sd.get('version')!r}. Load it with the "
+            "resumable_loader release that wrote it."
+        )
+    ranks, world = sd.get("ranks"), sd.get("world_size")
+    if (
+        not isinstance(ranks, list)
+        or type(world) is not int
+        or len(ranks) != world
+        or not all(isinstance(x, str) for x in ranks)
+    ):
+        raise CheckpointError(
+            "cannot load DataLoader state: ranks: expected world_size encoded rank states. "
+            "The state is damaged."
+        )
+    try:
+        return [load_state(base64.b64decode(x)) for x in ranks]
+    except (ValueError, CheckpointError) as e:
+        raise CheckpointError(
+            f"cannot load DataLoader state: ranks: a rank's state does not decode ({e}). "
+            "The state is damaged."
+        ) from None
+
+
+__all__ = ["merge_rank_states"]

@@ -1,0 +1,283 @@
+"""torch's DistributedSampler: the same shards as torch, exact resume per rank, and a job's
+state re-cut for another number of ranks -- every sample of the interrupted epoch delivered
+exactly once over all ranks.
+
+Ranks are simulated in one process here (a DistributedSampler takes ``num_replicas`` and
+``rank`` without a process group): the arithmetic is the subject. Real ranks under a gloo
+process group, with torch.distributed.checkpoint, are in ``test_distributed_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+import torch
+from _datasets import RandomAugDataset, RangeDataset
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from resumable_loader import CheckpointError, DataLoader, merge_rank_states
+from resumable_loader.testing import roundtrip_state
+
+N = 23  # not a multiple of any world size used: padding and trimming both happen
+BS = 2
+
+
+def make(world: int, rank: int, *, drop_last: bool = False, nw: int = 0, shuffle: bool = True):
+    ds = RangeDataset(N)
+    sampler = DistributedSampler(
+        ds, num_replicas=world, rank=rank, shuffle=shuffle, seed=7, drop_last=drop_last
+    )
+    return DataLoader(ds, batch_size=BS, sampler=sampler, num_workers=nw)
+
+
+def ids(batch) -> list[int]:
+    return [int(i) for i in batch["idx"].flatten().tolist()]
+
+
+def epoch_of(loader, epoch: int) -> list[list[int]]:
+    loader.sampler.set_epoch(epoch)
+    return [ids(b) for b in loader]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_each_rank_gets_torchs_shard(world: int, drop_last: bool) -> None:
+    for rank in range(world):
+        ours = make(world, rank, drop_last=drop_last)
+        ds = RangeDataset(N)
+        theirs = TorchDataLoader(
+            ds,
+            batch_size=BS,
+            sampler=DistributedSampler(
+                ds, num_replicas=world, rank=rank, shuffle=True, seed=7, drop_last=drop_last
+            ),
+        )
+        for epoch in (0, 3):
+            theirs.sampler.set_epoch(epoch)
+            assert epoch_of(ours, epoch) == [ids(b) for b in theirs]
+            assert len(ours) == len(theirs)
+
+
+@pytest.mark.parametrize("nw", [0, 2])
+def test_same_world_size_resumes_each_rank_exactly(nw: int) -> None:
+    world = 3
+    for rank in range(world):
+        ref = make(world, rank, nw=nw)
+        reference = [epoch_of(ref, e) for e in (0, 1)]
+        for stop in range(len(reference[0]) + 1):
+            first = make(world, rank, nw=nw)
+            first.sampler.set_epoch(0)
+            it = iter(first)
+            got = [ids(next(it)) for _ in range(stop)]
+            sd = roundtrip_state(first.state_dict(), "json")
+            del it
+            first.close()
+            again = make(world, rank, nw=nw)
+            again.load_state_dict(sd)
+            if sd["epoch"] == 0:  # else the epoch was delivered to its end: the next one
+                got += [ids(b) for b in again]  # the loader set the sampler's saved epoch
+            assert got == reference[0], f"rank {rank}, stop {stop}"
+            assert epoch_of(again, 1) == reference[1]
+            again.close()
+
+
+def test_values_resume_exactly_without_the_global_rng() -> None:
+    # An epoch's seed under a DistributedSampler comes from the sampler's seed and epoch and
+    # the rank: a resumed rank draws the same augmentations whatever its global RNG says.
+    def loader() -> DataLoader:
+        ds = RandomAugDataset(N)
+        return DataLoader(ds, batch_size=BS, sampler=DistributedSampler(ds, 2, 1, seed=3))
+
+    def canon(b) -> list:
+        return [b[k].tolist() for k in sorted(b)]
+
+    ref = loader()
+    reference = [canon(b) for b in ref]
+    first = loader()
+    it = iter(first)
+    got = [canon(next(it)) for _ in range(3)]
+    sd = first.state_dict()
+    del it
+    torch.manual_seed(12345)
+    again = loader()
+    again.load_state_dict(sd)
+    assert got + [canon(b) for b in again] == reference
+
+
+def run_ranks(world: int, steps: list[int], epoch: int, *, drop_last: bool = False):
+    """Each rank of a ``world``-rank job consumes ``steps[r]`` batches of ``epoch``; returns
+    what each consumed and each rank's state."""
+    consumed, states = [], []
+    for rank in range(world):
+        loader = make(world, rank, drop_last=drop_last)
+        loader.sampler.set_epoch(epoch)
+        it = iter(loader)
+        consumed.append([i for _ in range(steps[rank]) for i in ids(next(it))])
+        states.append(roundtrip_state(loader.state_dict(), "torch"))
+        del it
+        loader.close()
+    return consumed, states
+
+
+def finish_ranks(world: int, state: dict, *, drop_last: bool = False):
+    """Each rank of a ``world``-rank job loads ``state`` and runs the rest of the epoch."""
+    out = []
+    for rank in range(world):
+        loader = make(world, rank, drop_last=drop_last)
+        loader.load_state_dict(state)
+        out.append([ids(b) for b in loader])
+    return out
+
+
+def epoch_samples(epoch: int, *, drop_last: bool = False) -> list[int]:
+    """The epoch's samples as the uninterrupted run's ranks cut them, padding excluded."""
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+    return order
+
+
+ELASTIC = [(4, 2), (2, 3), (3, 2), (4, 1), (1, 4), (3, 3)]
+
+
+@pytest.mark.parametrize(("before", "after"), ELASTIC, ids=[f"{a}to{b}" for a, b in ELASTIC])
+@pytest.mark.parametrize("skew", [0, 1], ids=["in-step", "one-rank-ahead"])
+def test_another_world_size_continues_the_epoch_exactly_once(before, after, skew) -> None:
+    steps = [2] * before
+    steps[0] += skew  # rank 0 took one batch more when the state was saved
+    taken, states = run_ranks(before, steps, epoch=1)
+    merged = roundtrip_state(merge_rank_states(states), "json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = finish_ranks(after, merged)
+    if before != after:
+        # The new ranks take equal numbers of batches (DDP would hang otherwise). On the same
+        # world size each rank continues its own shard: a rank that was ahead has one less.
+        assert len({len(r) for r in rest}) == 1
+    delivered = collections.Counter(
+        [i for r in taken for i in r] + [i for r in rest for b in r for i in b]
+    )
+    # Every sample of the epoch at least once; repeated only as torch pads an epoch's last
+    # step: the remainder, padded to a multiple of the new world size -- and said so.
+    assert set(delivered) == set(epoch_samples(1))
+    left = N - sum(len(t) for t in taken)
+    pad = -left % after if before != after else -N % before  # a re-cut's, or torch's own
+    assert sum(delivered.values()) - N == pad
+    assert max(delivered.values()) <= 2
+    said = [str(w.message) for w in caught if "samples of the epoch are left" in str(w.message)]
+    # On the same world size the pad is torch's own, made by each rank's own shard: no re-cut.
+    assert bool(said) == bool(pad and before != after)
+    if said:
+        assert f"{pad} of them are repeated" in said[0]
+
+
+def test_an_exact_division_repeats_and_skips_nothing() -> None:
+    # 4 ranks x 2 batches x 2 = 16 taken, 7 left: on 7 ranks, one each, nothing padded.
+    taken, states = run_ranks(4, [2, 2, 2, 2], epoch=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        rest = finish_ranks(7, merge_rank_states(states))
+    got = [i for r in taken for i in r] + [i for r in rest for b in r for i in b]
+    assert sorted(got) == list(range(N)) and len(got) == N
+    # And the consumed set was a prefix of the epoch's order.
+    assert sorted(i for r in taken for i in r) == sorted(epoch_samples(0)[:16])
+
+
+def test_the_next_epoch_on_the_new_world_size_is_torchs() -> None:
+    _, states = run_ranks(3, [4, 4, 4], epoch=0)
+    merged = merge_rank_states(states)
+    for rank in range(2):
+        loader = make(2, rank)
+        loader.load_state_dict(merged)
+        list(loader)
+        assert epoch_of(loader, 1) == epoch_of(make(2, rank), 1)
+
+
+def test_two_resizes_in_one_epoch_compose() -> None:
+    taken1, states = run_ranks(4, [1, 1, 1, 1], epoch=0)
+    merged = merge_rank_states(states)
+    taken2, states2 = [], []
+    for rank in range(3):
+        loader = make(3, rank)
+        loader.load_state_dict(merged)
+        it = iter(loader)
+        taken2.append([i for _ in range(1) for i in ids(next(it))])
+        states2.append(loader.state_dict())
+        del it
+    rest = finish_ranks(2, merge_rank_states(states2))
+    got = [i for r in taken1 + taken2 for i in r] + [i for r in rest for b in r for i in b]
+    assert set(got) == set(range(N))
+    assert len(got) - N < 2  # at most the last step's padding on 2 ranks
+
+
+def test_a_state_saved_at_the_epochs_end_starts_the_next_epoch() -> None:
+    _, states = run_ranks(2, [6, 6], epoch=0)  # 23 -> 12 per rank -> 6 batches: all of it
+    assert all(sd["epoch"] == 1 for sd in states)
+    merged = merge_rank_states(states)
+    for rank in range(3):
+        loader = make(3, rank)
+        loader.load_state_dict(merged)
+        loader.sampler.set_epoch(1)
+        assert [ids(b) for b in loader] == epoch_of(make(3, rank), 1)
+
+
+def test_set_epoch_to_another_epoch_before_a_mid_epoch_resume_is_refused() -> None:
+    _, states = run_ranks(2, [2, 2], epoch=4)
+    loader = make(2, 0)
+    loader.load_state_dict(states[0])
+    loader.sampler.set_epoch(5)
+    with pytest.raises(CheckpointError, match=r"set_epoch\(5\).*sampler.set_epoch\(4\)"):
+        iter(loader)
+    loader.sampler.set_epoch(4)
+    assert len(list(loader)) == 6 - 2
+
+
+def test_a_ranks_own_state_on_another_world_size_is_refused_with_the_fix() -> None:
+    _, states = run_ranks(2, [1, 1], epoch=0)
+    with pytest.raises(CheckpointError, match="merge_rank_states"):
+        make(3, 0).load_state_dict(states[0])
+    with pytest.raises(CheckpointError, match=r"config\.rank"):
+        make(2, 1).load_state_dict(states[0])
+
+
+def test_unordered_states_resize_is_refused_same_size_is_exact() -> None:
+    states = []
+    for rank in range(2):
+        ds = RangeDataset(N)
+        loader = DataLoader(
+            ds,
+            batch_size=BS,
+            sampler=DistributedSampler(ds, 2, rank, seed=7),
+            num_workers=2,
+            in_order=False,
+            multiprocessing_context="fork",
+        )
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        states.append(loader.state_dict())
+        loader.close()
+    merged = merge_rank_states(states)
+    if not any(sd["delivered_ahead"] for sd in states):
+        pytest.skip("the workers happened to deliver in order")  # pragma: no cover
+    with pytest.raises(CheckpointError, match="in_order=False"):
+        make(3, 0).load_state_dict(merged)
+
+
+def test_merge_rank_states_names_a_misplaced_state() -> None:
+    _, states = run_ranks(2, [1, 1], epoch=0)
+    with pytest.raises(CheckpointError, match="entry 0 should be the state of rank 0 of 2"):
+        merge_rank_states([states[1], states[0]])
+
+
+def test_other_samplers_resume_only_on_the_same_world_size() -> None:
+    loader = DataLoader(RangeDataset(N), batch_size=BS, shuffle=True)
+    sd = loader.state_dict()
+    merged = merge_rank_states([sd])
+    again = DataLoader(RangeDataset(N), batch_size=BS, shuffle=True)
+    again.load_state_dict(merged)  # one rank -> one rank: its own state
+    sd2 = dict(sd, config=dict(sd["config"], world_size=2, rank=0))
+    sd3 = dict(sd, config=dict(sd["config"], world_size=2, rank=1))
+    with pytest.raises(CheckpointError, match="Only torch's DistributedSampler"):
+        again.load_state_dict(merge_rank_states([sd2, sd3]))
