@@ -5,9 +5,10 @@ its full output is kept; the table is built from the JSON object each prints las
 
 By default the throughput benchmark runs at its default size and the others with ``--quick``,
 so the whole run takes under ~5 minutes on 2 cores; ``--full`` runs every script at its
-default size (~15 min), ``--quick`` every one quick (~2 min). ``--save`` writes each script's
-output to ``benchmarks/results/DATE_MACHINE_NAME.txt`` and the table to ``..._all.txt``; with
-matplotlib importable (``pip install -e .[bench]``) it also draws ``..._throughput.png``.
+default size (~15 min), ``--quick`` every one quick (~2 min). ``--save`` writes each
+script's output to ``benchmarks/results/DATE_MACHINE_NAME[_quick].txt`` and the table to
+``..._all.txt``; with matplotlib importable (``pip install -e .[bench]``) it also draws
+``..._throughput.png``.
 
 Run: python3 benchmarks/run_all.py [--quick | --full] [--save] [--machine 2core-cpu]
      [--only throughput,state,...]
@@ -195,7 +196,9 @@ def main() -> int:
         out, summary, wall, rc = run_script(name, quick)
         print(f"  {name}: {wall:.0f} s, exit status {rc}", flush=True)
         if args.save:
-            with open(os.path.join(RESULTS, f"{stamp}_{name}.txt"), "w") as f:
+            # A quick run never takes the name of a full one.
+            suffix = "_quick" if quick else ""
+            with open(os.path.join(RESULTS, f"{stamp}_{name}{suffix}.txt"), "w") as f:
                 f.write(out)
         if rc != 0 or summary is None:
             failed.append(name)
