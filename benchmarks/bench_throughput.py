@@ -1,34 +1,50 @@
-"""Epoch time of resumable_loader.DataLoader against torch.utils.data.DataLoader.
+"""Epoch time of resumable_loader.DataLoader against the machine's limit and torch's DataLoader.
 
-Workloads (fresh loaders every run, ours and torch's alternated in one process):
+The limit is measured in the same run: the same items fetched and collated in this process,
+with no loader at all, and divided by the number of processes that can do that work at once
+(min(num_workers, cores); 1 for num_workers=0). No loader can beat it on this machine; every
+loader's epoch is reported as a multiple of it and of torch's.
 
-- heavy: map dataset of 3x64x64 float32 items, each after ~50 us of CPU spin, batch 64,
-  2 workers. Goal: steady epoch ratio ours/torch <= 1.00.
+Workloads (fresh loaders every run; limit, ours, torch's -- and torchdata's
+StatefulDataLoader when it is importable -- alternated in one process):
+
+- heavy: 3x64x64 float32 items, each after ~50 us of CPU spin, batch 64, 2 workers
+  (3 MiB/batch). Goals: <= 1.5x the limit, <= 1.00x torch.
+- image: shaped like image training, (3x224x224 uint8 image, int label) items after ~200 us
+  of CPU (a stand-in for decoding), batch 32, 2 workers (4.6 MiB/batch). Goal: <= 0.8x torch.
+- image-f: the same as float32 (18.4 MiB/batch). Goal: <= 1.00x torch.
+- dict50: each item a dict of 50 float32 fields of 320 values plus its index, batch 32,
+  2 workers: 51 tensors per batch, 50 of them of 40 KiB. Goal: <= 1.00x torch.
 - light: an int -> 1-element tensor, batch_size 1, 2 workers, ~20k items: the loader's own
-  per-batch bookkeeping dominates. Goal: steady epoch ratio <= 0.80.
+  per-batch bookkeeping dominates. Goal: <= 0.80x torch.
 - light-nt: the light workload with bare ints and a collate_fn that makes no tensor, so no
   shared-memory segment per batch: only the loader's bookkeeping is left. Goal as light.
-- light0: the light workload with num_workers=0 (reference, no goal).
+- light0: the light workload with num_workers=0. Goal: <= 2.0x torch (per batch).
 
 Per run we record the first-batch latency (constructor + iter + first batch, so worker start-up
-is in it) and the steady epoch time (first batch to the end of the epoch); the goals are on the
-steady epoch time. Reported: median of the per-round ratios ours/torch and the raw medians.
+is in it) and the steady epoch time (first batch to the end of the epoch); the ratios are on
+the steady epoch time, each the median of the per-round ratios (min and max shown).
 
-Run: python3 benchmarks/bench_throughput.py [--quick] [--rounds N] [--start-method fork|spawn|...]
+Run: python3 benchmarks/bench_throughput.py [--quick] [--rounds N] [--workloads a,b]
+     [--start-method fork|spawn|forkserver]
 Exits non-zero only if a loader delivered the wrong number of batches or samples.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
 
 import _common as C
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 HEAVY_WORK_S = 50e-6
+IMAGE_WORK_S = 200e-6
+DICT_FIELDS = 50
+DICT_FIELD_LEN = 320  # float32 values per item and field: 40 KiB per field in a batch of 32
 
 
 class HeavyDataset(Dataset):
@@ -44,6 +60,39 @@ class HeavyDataset(Dataset):
     def __getitem__(self, idx: int) -> torch.Tensor:
         C.spin(self.work_s)
         return torch.full((3, 64, 64), float(idx), dtype=torch.float32)
+
+
+class ImageDataset(Dataset):
+    """(3x224x224 image, label) items after ~200 us of CPU work, like a decoded training image.
+
+    The image is uint8 (or float32 with ``dtype``) filled with ``idx % 251``; the label is idx.
+    """
+
+    def __init__(self, n: int, dtype: torch.dtype = torch.uint8) -> None:
+        self.n = n
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx: int) -> tuple[torch.Tensor, int]:
+        C.spin(IMAGE_WORK_S)
+        return torch.full((3, 224, 224), idx % 251, dtype=self.dtype), idx
+
+
+class DictDataset(Dataset):
+    """Items are dicts of DICT_FIELDS small float32 tensors plus the index (as a 0-d tensor)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        item = {f"f{k:02d}": torch.full((DICT_FIELD_LEN,), float(k)) for k in range(DICT_FIELDS)}
+        item["idx"] = torch.tensor(idx)
+        return item
 
 
 class LightDataset(Dataset):
@@ -64,49 +113,37 @@ def collate_int(samples: list[int]) -> torch.Tensor | int:
     return samples[0]
 
 
-# n chosen for ~1-5 s steady epochs of torch's loader with 2 workers on 2 cores. "light" sends
-# one 1-element tensor per batch, which torch moves through a shared-memory segment (~0.5 ms of
-# its ~0.6 ms per batch on the reference machine), hence its smaller n; "light-nt" sends bare
-# ints, leaving only the per-batch bookkeeping (queues, pickling, reordering). budget_s caps a
-# workload's wall time in the default run, so a slow loader cannot push the script past 3 min.
+# n chosen for ~0.5-5 s steady epochs of torch's loader with 2 workers on 2 cores. "light"
+# sends one 1-element tensor per batch, which torch moves through a shared-memory segment
+# (~0.5 ms of its ~0.6 ms per batch on the reference machine), hence its smaller n; "light-nt"
+# sends bare ints, leaving only the per-batch bookkeeping (queues, pickling, reordering).
+# budget_s caps a workload's wall time in the default run, so a slow loader cannot push the
+# script past its time.
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "heavy": {
-        "kind": "heavy",
-        "n": 16384,
-        "quick_n": 4096,
-        "batch_size": 64,
-        "workers": 2,
-        "goal": 1.00,
-        "budget_s": 35,
-    },
-    "light": {
-        "kind": "light",
-        "n": 8000,
-        "quick_n": 2000,
-        "batch_size": 1,
-        "workers": 2,
-        "goal": 0.80,
-        "budget_s": 45,
-    },
-    "light-nt": {
-        "kind": "int",
-        "n": 10000,
-        "quick_n": 2000,
-        "batch_size": 1,
-        "workers": 2,
-        "goal": 0.80,
-        "budget_s": 45,
-    },
-    "light0": {
-        "kind": "light",
-        "n": 20000,
-        "quick_n": 2000,
-        "batch_size": 1,
-        "workers": 0,
-        "goal": None,
-        "budget_s": 20,
-    },
-}
+    "heavy": {"kind": "heavy", "n": 16384, "quick_n": 4096, "batch_size": 64, "workers": 2,
+              "goal_limit": 1.5, "goal_torch": 1.00, "budget_s": 35},
+    "image": {"kind": "image", "n": 4096, "quick_n": 1024, "batch_size": 32, "workers": 2,
+              "goal_limit": None, "goal_torch": 0.80, "budget_s": 30},
+    "image-f": {"kind": "image-f", "n": 2048, "quick_n": 512, "batch_size": 32, "workers": 2,
+                "goal_limit": None, "goal_torch": 1.00, "budget_s": 30},
+    "dict50": {"kind": "dict", "n": 4096, "quick_n": 1024, "batch_size": 32, "workers": 2,
+               "goal_limit": None, "goal_torch": 1.00, "budget_s": 30},
+    "light": {"kind": "light", "n": 8000, "quick_n": 2000, "batch_size": 1, "workers": 2,
+              "goal_limit": None, "goal_torch": 0.80, "budget_s": 40},
+    "light-nt": {"kind": "int", "n": 10000, "quick_n": 2000, "batch_size": 1, "workers": 2,
+                 "goal_limit": None, "goal_torch": 0.80, "budget_s": 25},
+    "light0": {"kind": "light", "n": 20000, "quick_n": 2000, "batch_size": 1, "workers": 0,
+               "goal_limit": None, "goal_torch": 2.00, "budget_s": 20},
+}  # fmt: skip
+
+
+def make_dataset(kind: str, n: int) -> Dataset:
+    if kind == "image":
+        return ImageDataset(n)
+    if kind == "image-f":
+        return ImageDataset(n, torch.float32)
+    return {"heavy": HeavyDataset, "dict": DictDataset, "light": LightDataset,
+            "int": C.IndexDataset}[kind](n)  # fmt: skip
 
 
 class StreamError(Exception):
@@ -114,11 +151,65 @@ class StreamError(Exception):
 
 
 def _checksum(batch: Any, kind: str) -> float:
+    """The sum of the sample indices in ``batch`` (each loader's stream is checked with it)."""
     if kind == "int":
         return float(batch)
     if kind == "heavy":
         return float(batch[:, 0, 0, 0].double().sum().item())
+    if kind in ("image", "image-f"):
+        images, labels = batch
+        if not torch.equal(images[:, 0, 0, 0].long(), labels % 251):
+            raise StreamError("an image does not match its label")
+        return float(labels.sum().item())
+    if kind == "dict":
+        if len(batch) != DICT_FIELDS + 1:
+            raise StreamError(f"a batch has {len(batch)} fields")
+        return float(batch["idx"].sum().item())
     return float(batch.double().sum().item())
+
+
+def _check(label: str, n: int, bs: int, batches: int, total: float) -> None:
+    want_batches = -(-n // bs)
+    want_total = n * (n - 1) / 2
+    if batches != want_batches or total != want_total:
+        raise StreamError(
+            f"{label}: got {batches} batches (sum of indices {total:.0f}), "
+            f"expected {want_batches} (sum {want_total:.0f})"
+        )
+
+
+def limit_divisor(workers: int) -> int:
+    """How many processes can fetch at once: the workers, capped by the cores we may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(workers, cores or 1))
+
+
+def limit_epoch(ds: Dataset, cfg: dict[str, Any], label: str) -> dict[str, float]:
+    """The work alone: fetch and collate every batch in this process, no loader; the times are
+    divided by the processes that could share it (see ``limit_divisor``)."""
+    bs = cfg["batch_size"]
+    n = len(ds)  # type: ignore[arg-type]
+    collate = collate_int if cfg["kind"] == "int" else default_collate
+    div = limit_divisor(cfg["workers"])
+    threads = torch.get_num_threads()
+    if cfg["workers"]:
+        torch.set_num_threads(1)  # as in a worker (both loaders set it there)
+    try:
+        t0 = time.perf_counter()
+        first = collate([ds[i] for i in range(min(bs, n))])
+        t1 = time.perf_counter()
+        total = _checksum(first, cfg["kind"])
+        batches = 1
+        for start in range(bs, n, bs):
+            batch = collate([ds[i] for i in range(start, min(start + bs, n))])
+            total += _checksum(batch, cfg["kind"])
+            batches += 1
+            del batch
+        t2 = time.perf_counter()
+    finally:
+        torch.set_num_threads(threads)
+    _check(label, n, bs, batches, total)
+    return {"first_s": (t1 - t0) / div, "steady_s": (t2 - t1) / div, "total_s": (t2 - t0) / div}
 
 
 def one_epoch(
@@ -137,20 +228,93 @@ def one_epoch(
     t1 = time.perf_counter()
     batches = 1
     total = _checksum(first, cfg["kind"])
+    del first
     for batch in it:
         batches += 1
         total += _checksum(batch, cfg["kind"])
     t2 = time.perf_counter()
     del it
     C.close_loader(loader)
-    want_batches = -(-n // cfg["batch_size"])
-    want_total = n * (n - 1) / 2
-    if batches != want_batches or total != want_total:
-        raise StreamError(
-            f"{label}: got {batches} batches (sum of indices {total:.0f}), "
-            f"expected {want_batches} (sum {want_total:.0f})"
-        )
+    _check(label, n, cfg["batch_size"], batches, total)
     return {"first_s": t1 - t0, "steady_s": t2 - t1, "total_s": t2 - t0}
+
+
+def stateful_loader() -> type | None:
+    """torchdata's StatefulDataLoader, or None when torchdata is not installed."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return None
+    return StatefulDataLoader  # type: ignore[no-any-return]
+
+
+def _ratios(runs: dict[str, list[dict[str, float]]], num: str, den: str) -> dict[str, float]:
+    r = C.per_round_ratio(runs, num, den, "steady_s")
+    return {"median": C.median(r), "min": min(r, default=float("nan")),
+            "max": max(r, default=float("nan"))}  # fmt: skip
+
+
+def _span(r: dict[str, float]) -> str:
+    return f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]"
+
+
+def run_workload(
+    name: str, args: Any, api: C.LoaderAPI, rounds: int, sdl: type | None
+) -> tuple[list[Any], dict[str, Any]]:
+    cfg = WORKLOADS[name]
+    n = cfg["quick_n"] if args.quick else cfg["n"]
+    ds = make_dataset(cfg["kind"], n)
+    sm = args.start_method
+    fns = {
+        "limit": lambda: limit_epoch(ds, cfg, f"limit/{name}"),
+        "ours": lambda: one_epoch(api.DataLoader, ds, cfg, sm, f"ours/{name}"),
+        "torch": lambda: one_epoch(C.torch_loader(), ds, cfg, sm, f"torch/{name}"),
+    }
+    if sdl is not None:
+        fns["torchdata"] = lambda: one_epoch(sdl, ds, cfg, sm, f"torchdata/{name}")
+    t_start = time.perf_counter()
+    runs = C.alternate(fns, rounds, budget_s=None if args.quick else cfg["budget_s"])
+    med = {side: {k: C.median([r[k] for r in runs[side]]) for k in runs[side][0]} for side in runs}
+    nb = -(-n // cfg["batch_size"])
+    ratios = {
+        "ours_limit": _ratios(runs, "ours", "limit"),
+        "torch_limit": _ratios(runs, "torch", "limit"),
+        "ours_torch": _ratios(runs, "ours", "torch"),
+    }
+    if sdl is not None:
+        ratios["torchdata_limit"] = _ratios(runs, "torchdata", "limit")
+        ratios["ours_torchdata"] = _ratios(runs, "ours", "torchdata")
+    us = {side: med[side]["steady_s"] / max(1, nb - 1) * 1e6 for side in med}
+    row = [
+        f"{name} (n={n}, bs={cfg['batch_size']}, w={cfg['workers']})",
+        med["limit"]["steady_s"],
+        med["ours"]["steady_s"],
+        med["torch"]["steady_s"],
+        _span(ratios["ours_limit"]),
+        _span(ratios["torch_limit"]),
+        _span(ratios["ours_torch"]),
+        f"{us['ours']:.0f} / {us['torch']:.0f}",
+        f"{med['ours']['first_s'] * 1e3:.0f} / {med['torch']['first_s'] * 1e3:.0f}",
+    ]
+    if sdl is not None:
+        row.append(_span(ratios["torchdata_limit"]))
+    summary = {
+        "n": n,
+        "batches": nb,
+        "rounds_run": len(runs["ours"]),
+        "limit_divisor": limit_divisor(cfg["workers"]),
+        "steady_s": {side: med[side]["steady_s"] for side in med},
+        "us_per_batch": us,
+        "first_batch_ms": {side: med[side]["first_s"] * 1e3 for side in med},
+        "ratios": ratios,
+        # The older summary's names, so earlier results files compare directly.
+        "ratio_steady_median": ratios["ours_torch"]["median"],
+        "goal_limit": cfg["goal_limit"],
+        "goal_torch": cfg["goal_torch"],
+        "wall_s": time.perf_counter() - t_start,
+    }
+    print(f"  {name}: done in {summary['wall_s']:.1f} s", flush=True)
+    return row, summary
 
 
 def main() -> int:
@@ -164,87 +328,39 @@ def main() -> int:
     args = C.parse(p)
     rounds = args.rounds or (2 if args.quick else 4)
     api = C.loader_api()
+    sdl = stateful_loader()
     print(C.env_line(args.start_method))
     print(f"ours: {api.name}; rounds {rounds} (+1 warm-up each); order rotates every round")
+    if sdl is None:
+        print("torchdata is not installed: its StatefulDataLoader is not measured")
 
     rows = []
-    summary: dict[str, Any] = {"start_method": args.start_method, "rounds": rounds}
+    summary: dict[str, Any] = {
+        "start_method": args.start_method,
+        "rounds": rounds,
+        "torchdata": sdl is not None,
+        "cores": limit_divisor(os.cpu_count() or 1),
+    }
     failed = False
     for name in args.workloads.split(","):
-        cfg = WORKLOADS[name]
-        n = cfg["quick_n"] if args.quick else cfg["n"]
-        ds: Dataset = {"heavy": HeavyDataset, "light": LightDataset, "int": C.IndexDataset}[
-            cfg["kind"]
-        ](n)
-        fns = {
-            "ours": lambda ds=ds, cfg=cfg, name=name: one_epoch(
-                api.DataLoader, ds, cfg, args.start_method, f"ours/{name}"
-            ),
-            "torch": lambda ds=ds, cfg=cfg, name=name: one_epoch(
-                C.torch_loader(), ds, cfg, args.start_method, f"torch/{name}"
-            ),
-        }
-        t_start = time.perf_counter()
         try:
-            runs = C.alternate(fns, rounds, budget_s=None if args.quick else cfg["budget_s"])
+            row, summary[name] = run_workload(name, args, api, rounds, sdl)
         except StreamError as e:
             print(f"{name}: WRONG STREAM: {e}", file=sys.stderr)
             failed = True
             continue
-        r_steady = C.per_round_ratio(runs, "ours", "torch", "steady_s")
-        r_total = C.per_round_ratio(runs, "ours", "torch", "total_s")
-        med = {
-            side: {k: C.median([r[k] for r in runs[side]]) for k in runs[side][0]} for side in runs
-        }
-        rows.append(
-            [
-                f"{name} (n={n}, bs={cfg['batch_size']}, w={cfg['workers']})",
-                med["ours"]["steady_s"],
-                med["torch"]["steady_s"],
-                C.median(r_steady),
-                min(r_steady),
-                max(r_steady),
-                med["ours"]["first_s"] * 1e3,
-                med["torch"]["first_s"] * 1e3,
-                C.median(r_total),
-                "-" if cfg["goal"] is None else f"<= {cfg['goal']:.2f}",
-            ]
-        )
-        summary[name] = {
-            "n": n,
-            "rounds_run": len(r_steady),
-            "ratio_steady_median": C.median(r_steady),
-            "ratio_steady_min": min(r_steady),
-            "ratio_steady_max": max(r_steady),
-            "ratio_total_median": C.median(r_total),
-            "ours_steady_s": med["ours"]["steady_s"],
-            "torch_steady_s": med["torch"]["steady_s"],
-            "ours_first_batch_ms": med["ours"]["first_s"] * 1e3,
-            "torch_first_batch_ms": med["torch"]["first_s"] * 1e3,
-            "goal_ratio": cfg["goal"],
-            "wall_s": time.perf_counter() - t_start,
-        }
-        print(f"  {name}: done in {time.perf_counter() - t_start:.1f} s", flush=True)
+        rows.append(row)
 
     print()
-    C.print_table(
-        [
-            "workload",
-            "ours s",
-            "torch s",
-            "ratio",
-            "min",
-            "max",
-            "ours 1st ms",
-            "torch 1st ms",
-            "ratio(total)",
-            "goal",
-        ],
-        rows,
-    )
+    headers = ["workload", "limit s", "ours s", "torch s", "ours/limit", "torch/limit",
+               "ours/torch", "us/batch ours/torch", "1st ms ours/torch"]  # fmt: skip
+    if sdl is not None:
+        headers.append("torchdata/limit")
+    C.print_table(headers, rows)
     print(
-        "ratio = median over rounds of (ours steady epoch / torch steady epoch); "
-        "steady = first batch -> end; 1st = constructor -> first batch"
+        "limit = the same fetch + collate in one process with no loader, / min(workers, cores); "
+        "ratios: median [min-max] over rounds of steady epoch times (first batch -> end); "
+        "1st = constructor -> first batch"
     )
     summary["stream_ok"] = not failed
     C.emit_summary("throughput", summary)

@@ -62,6 +62,7 @@ from ._seeding import (
     STREAM,
     TASK,
     WORKER,
+    FetchRngs,
     GlobalRngGuard,
     derive_seed,
     draw_base_seed,
@@ -347,6 +348,7 @@ class _SingleProcessIter(_BaseIter):
         # apart from ``ahead``, because advancing ``consumed`` must not forget what to skip.
         self._skip = set(p.ahead)
         self._owed: list[tuple[int, Any]] = []
+        self._rngs = FetchRngs()  # each fetch under its seed, the caller's RNGs kept apart
         # Set when an interrupt cut a stream fetch short: the stream then stands past items
         # never delivered, so its own state no longer matches the position, and a resume
         # replays the delivered fetches instead (seeded, hence exact).
@@ -438,8 +440,7 @@ class _SingleProcessIter(_BaseIter):
             p.drawn[tid] = indices
         p.seed = derive_seed(TASK, self._base, tid)
         try:
-            with GlobalRngGuard():
-                seed_global_rngs(p.seed)
+            with self._rngs.seeded(p.seed):
                 data, retries = self._run(self._fetcher.fetch, indices)
         except BaseException as exc:
             # A batch whose load raised is consumed, as with torch -- unless it was an
@@ -469,8 +470,7 @@ class _SingleProcessIter(_BaseIter):
             raise StopIteration
         seed = derive_seed(STREAM, self._base, 0, p.k)
         try:
-            with GlobalRngGuard():
-                seed_global_rngs(seed)
+            with self._rngs.seeded(seed):
                 data, retries = self._run(self._fetcher.fetch)
         except StreamEnd:
             p.exhausted = True

@@ -8,9 +8,23 @@ the message with SCM_RIGHTS, so a received message needs nothing more from its s
 main side reads without ever blocking (``Receiver.feed``), so a worker stopped halfway through a
 send cannot stall it either.
 
-Frame: header ``<II`` (payload length, number of fds) sent with the fds attached, then the
-pickled payload. Storages of at most ``INLINE_MAX`` bytes are copied into the payload instead:
-for small batches that is cheaper than passing and mapping an fd.
+Frame: header ``<III`` (payload length, number of fds, body length) sent with the fds
+attached, then the payload: the pickled message (the body), then -- when the message holds
+storages that travel through shared memory -- the pickled slot table that says how each of them
+travels. Storages of at most ``INLINE_MAX`` bytes are copied into the body instead: for small
+batches that is cheaper than passing and mapping an fd.
+
+One fd per batch (issue #11): every storage that travels through shared memory takes a slot
+while the message is pickled; only then, with all of them known, is each placed. A batch of at
+most ``MAX_FDS_PER_MSG`` such storages sends each on its own fd, as it lies (the usual image
+batch: one large storage, collated straight into shared memory). A batch of more -- a dict of
+50 fields -- is packed: its largest ``MAX_FDS_PER_MSG - 1`` storages already in shared memory
+still go on their own fds (no copy), the rest are copied into one segment, and the main process
+rebuilds each as a storage over its slice of that segment (``_unpack``). A received storage
+holds its fd open for as long as it lives (torch maps with the fd kept), so one fd per batch
+rather than per tensor is what keeps a large prefetch window under ``ulimit -n``. The slices
+keep the segment alive through ordinary references (slice -> array -> segment): it is freed,
+fd and all, when the caller drops the last tensor of the batch.
 
 Memory: a batch has one owner at a time. Nothing on the send path may form a reference cycle
 with the batch: the pickler's memo holds every object it pickled until the pickler dies, so a
@@ -44,14 +58,23 @@ from typing import Any, NamedTuple
 
 import torch
 
-_HEADER = struct.Struct("<II")
-# Linux refuses more than SCM_MAX_FD (253) fds in one message; storages beyond this many in
-# one batch are copied into the payload instead.
-FDS_PER_MSG = 250
+_HEADER = struct.Struct("<III")
+# At most this many fds per message (see the module docstring): enough for the batches whose
+# few large storages are best sent as they lie, few enough that num_workers x prefetch_factor
+# batches in flight stay far below a 1024-fd limit.
+MAX_FDS_PER_MSG = 4
+# ... and only storages of at least this size keep an fd of their own in a packed batch: below
+# it, copying the storage into the shared segment costs less than a segment of its own.
+SOLO_MIN = 256 * 1024
+# Storages packed into one segment start at multiples of this: a rebuilt tensor keeps the
+# alignment its dtype and vectorised kernels expect.
+PACK_ALIGN = 64
 # Copy storages up to this size into the message: one memcpy beats an fd round trip + mmap.
 INLINE_MAX = 32 * 1024
 _RECV_CHUNK = 1 << 20
-_ANC_SPACE = socket.CMSG_SPACE(FDS_PER_MSG * array.array("i").itemsize)
+# Room for as many fds as Linux passes in one message (SCM_MAX_FD), though we send at most
+# MAX_FDS_PER_MSG: fds that find no room are discarded by the kernel.
+_ANC_SPACE = socket.CMSG_SPACE(253 * array.array("i").itemsize)
 # Where torch's shm_open() segments live (both sharing strategies) on Linux.
 SHM_DIR = "/dev/shm"
 # After a failed shared-memory allocation a worker sends its next 1, 2, 4, ... batches (doubling
@@ -125,6 +148,45 @@ def _shm_free() -> int:
     return st.f_bavail * st.f_frsize
 
 
+class FdLimitError(OSError):
+    """A process ran out of file descriptors (``ulimit -n``) while moving a batch."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(errno.EMFILE, text)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def fds_exhausted(exc: BaseException) -> bool:
+    """Whether ``exc`` says that this process (or the system) has no file descriptor left."""
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return True
+    return isinstance(exc, (OSError, RuntimeError)) and "Too many open files" in str(exc)
+
+
+def fd_limit_text(doing: str) -> str:
+    """What to say when the fd limit was hit: which limit, how many were open, what to do."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        n: Any = len(os.listdir("/proc/self/fd")) - 1  # (less the listing's own)
+    except OSError:
+        n = "?"
+    return (
+        f"Too many open files while {doing} (pid {os.getpid()}): {n} file descriptors open, "
+        f"and the limit (ulimit -n) is {soft}. Each batch sent through shared memory holds "
+        "one descriptor (a few for a batch of several large tensors) from the worker until "
+        "your loop drops it, so about num_workers x prefetch_factor batches, plus those your "
+        f"loop keeps, are open at once. Raise the limit (ulimit -n {max(soft * 4, 65536)} in "
+        "the shell that starts the run, or resource.setrlimit(resource.RLIMIT_NOFILE, ...) up "
+        f"to the hard limit {hard}), use fewer workers or a smaller prefetch_factor, or "
+        "torch.multiprocessing.set_sharing_strategy('file_system'), which names segments "
+        "instead of passing descriptors."
+    )
+
+
 def shm_exhausted(exc: BaseException) -> bool:
     """Whether ``exc`` says that /dev/shm is full (and nothing else is wrong).
 
@@ -161,6 +223,9 @@ class ShmPolicy:
         self._failed_now = False
         self._sent_any = False
         self.note: ShmNote | None = None
+        # The last batch was packed into one segment (see ``_place``): the next one, likely
+        # alike, is best collated out of /dev/shm.
+        self.packing = False
 
     def allow(self) -> bool:
         """Whether the next batch may use /dev/shm. Call once per batch."""
@@ -194,6 +259,7 @@ class ShmPolicy:
         """After a message went out: learn how much shared memory a batch needs."""
         need = out.shared_bytes + out.fallback_bytes
         self._sent_any = True
+        self.packing = out.packed
         if need:
             self._need = need
         if out.shared_bytes and not self._failed_now:
@@ -207,7 +273,18 @@ class _Outbox:
     refers to it.
     """
 
-    __slots__ = ("fallback_bytes", "fds", "lent", "policy", "shared_bytes", "shm")
+    __slots__ = (
+        "fallback_bytes",
+        "fds",
+        "keep",
+        "lent",
+        "packed",
+        "policy",
+        "shared_bytes",
+        "shm",
+        "slot_of",
+        "slots",
+    )
 
     def __init__(self, fds: list[int], shm: bool, policy: ShmPolicy | None) -> None:
         self.fds = fds
@@ -218,6 +295,13 @@ class _Outbox:
         # file_system storages whose segment torch's reducer took a reference on for the
         # receiver (its unpickling gives it back): given back here if the message is not sent.
         self.lent: list[torch.UntypedStorage] = []
+        # Storages bound for shared memory, in slot order, until ``_place`` decides how each
+        # travels; ``slot_of`` maps a storage's data pointer to its slot.
+        self.slots: list[torch.UntypedStorage] = []
+        self.slot_of: dict[int, int] = {}
+        # The packed segment: it owns the fd in ``fds`` until the message is sent.
+        self.keep: torch.UntypedStorage | None = None
+        self.packed = False  # whether storages were packed into one segment
 
     def unsent(self) -> None:
         """The message did not reach the receiver: return the references taken for it, or
@@ -237,23 +321,25 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     nbytes = storage.nbytes()
     if nbytes == 0:
         return (_rebuild_empty_storage, ())
-    if nbytes <= INLINE_MAX or len(out.fds) >= FDS_PER_MSG:
+    if nbytes <= INLINE_MAX:
         return (_rebuild_bytes_storage, (_byte_view(storage).tobytes(),))
     # Already in shared memory (a collate in a worker allocates there): sharing allocates
     # nothing, so it is done even for a batch that was told to stay out of /dev/shm.
     if out.shm or storage.is_shared():
-        try:
-            reduced = _share(out, storage)
-        except (RuntimeError, OSError) as exc:
-            if not shm_exhausted(exc):
-                raise
-            out.shm = False  # the rest of this message stays out of the full /dev/shm
-            if out.policy is not None:
-                out.policy.failed(exc)
-        else:
-            out.shared_bytes += nbytes
-            return reduced
-    out.fallback_bytes += nbytes
+        # Placed once the whole message is pickled (``_place``); the same storage reached
+        # through two tensors takes one slot, so the tensors still share it on the other side.
+        key = storage.data_ptr()
+        slot = out.slot_of.get(key)
+        if slot is None:
+            slot = out.slot_of[key] = len(out.slots)
+            out.slots.append(storage)
+        return (_rebuild_slot, (slot,))
+    return _fallback(out, storage)
+
+
+def _fallback(out: _Outbox, storage: Any) -> Any:
+    """A storage copied into the message because it may not (or cannot) use /dev/shm."""
+    out.fallback_bytes += storage.nbytes()
     note = out.policy.note if out.policy is not None else None
     if note is None:
         total, used = _shm_usage()
@@ -261,6 +347,82 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     # A writable buffer pickles (protocol 5, in band) as a bytearray straight from the storage:
     # no intermediate bytes object.
     return (_rebuild_fallback_storage, (pickle.PickleBuffer(_byte_view(storage)), tuple(note)))
+
+
+def _place(out: _Outbox) -> Any:
+    """Decide how each slot's storage travels (see the module docstring); the slot table.
+
+    The table is ``(pack, entries)``: ``pack`` the reduced shared segment holding the packed
+    storages (None if none are), each entry ``(SOLO, reduced)``, ``(PACKED, offset, nbytes)``
+    or ``(INLINE, reduced)``. Raises what sharing raises (a full /dev/shm: ``dumps`` then
+    sends the message again without it).
+    """
+    slots = out.slots
+    solo: list[int] = list(range(len(slots)))
+    packed: list[int] = []
+    if len(slots) > MAX_FDS_PER_MSG:
+        # Keep the largest storages that are already shared as they lie; copy the others.
+        by_size = sorted(solo, key=lambda i: slots[i].nbytes(), reverse=True)
+        keep = [i for i in by_size if slots[i].is_shared() and slots[i].nbytes() >= SOLO_MIN]
+        keep = keep[: MAX_FDS_PER_MSG - 1]
+        if out.shm:
+            solo, packed = keep, sorted(set(solo) - set(keep))
+        else:  # may not allocate: the already shared ones go inline beyond the fd budget
+            solo = keep + [i for i in by_size if i not in keep][: MAX_FDS_PER_MSG - len(keep)]
+    entries: list[Any] = [None] * len(slots)
+    for i in solo:
+        entries[i] = (SOLO, _share(out, slots[i]))
+        out.shared_bytes += slots[i].nbytes()
+    pack = None
+    if packed:
+        offsets, total = [], 0
+        for i in packed:
+            offsets.append(total)
+            total += -(-slots[i].nbytes() // PACK_ALIGN) * PACK_ALIGN
+        segment = torch.UntypedStorage._new_shared(total)
+        dest = _byte_view(segment)
+        for i, off in zip(packed, offsets):
+            n = slots[i].nbytes()
+            dest[off : off + n] = _byte_view(slots[i])
+            entries[i] = (PACKED, off, n)
+        del dest
+        pack = _share(out, segment)
+        out.keep = segment
+        out.packed = True
+        out.shared_bytes += total
+    for i, e in enumerate(entries):
+        if e is None:
+            entries[i] = (INLINE, _fallback(out, slots[i]))
+    return pack, entries
+
+
+# Slot table entry kinds (see ``_place``).
+SOLO, PACKED, INLINE = 0, 1, 2
+
+
+def _rebuild_slot(index: int) -> torch.UntypedStorage:
+    return _tls.slots[index]
+
+
+def _unpack(table: Any) -> list[torch.UntypedStorage]:
+    """Main side: the storages of a message's slots, from its slot table (see ``_place``)."""
+    pack_reduced, entries = table
+    whole = None
+    if pack_reduced is not None:
+        fn, args = pack_reduced
+        whole = _byte_view(fn(*args))
+    out = []
+    for entry in entries:
+        kind = entry[0]
+        if kind == PACKED:
+            off, n = entry[1], entry[2]
+            assert whole is not None
+            # A storage over the slice: it holds the slice, which holds the segment.
+            out.append(torch.frombuffer(whole[off : off + n], dtype=torch.uint8).untyped_storage())
+        else:
+            fn, args = entry[1]
+            out.append(fn(*args))
+    return out
 
 
 def _share(out: _Outbox, storage: torch.UntypedStorage) -> Any:
@@ -287,23 +449,38 @@ class _Pickler(ForkingPickler):
 
 def dumps(
     obj: Any, policy: ShmPolicy | None = None, shm: bool = True
-) -> tuple[bytes, list[int], _Outbox]:
-    """Pickle ``obj``; returns the payload, the fds it refers to (owned by their storages) and
-    how its storages travel. ``shm=False``: large storages not already in shared memory are
-    copied into the payload."""
+) -> tuple[bytes, int, list[int], _Outbox]:
+    """Pickle ``obj``; returns the payload, the length of its body (the rest is the slot
+    table), the fds it refers to (owned by their storages) and how its storages travel.
+    ``shm=False``: large storages not already in shared memory are copied into the payload."""
     buf = io.BytesIO()
     out = _Outbox([], shm, policy)
     pickler = _Pickler(buf, out)
     try:
         pickler.dump(obj)
-    except BaseException:
-        out.unsent()  # (an unpicklable object after a storage already lent)
-        raise
     finally:
         # The memo refers to everything pickled; release it now, whatever refers to the pickler.
         pickler.clear_memo()
         del pickler
-    return buf.getvalue(), out.fds, out
+    body_len = buf.tell()
+    if out.slots:
+        try:
+            table = _place(out)
+        except (RuntimeError, OSError) as exc:
+            out.unsent()  # (storages already lent under file_system)
+            out.slots = []
+            if not shm or not (shm_exhausted(exc) or fds_exhausted(exc)):
+                raise
+            if policy is not None:
+                why = exc if shm_exhausted(exc) else FdLimitError(fd_limit_text("sharing a batch"))
+                policy.failed(why)
+            # Out of the full /dev/shm: the storages not already there are copied instead.
+            payload, body_len, fds, again = dumps(obj, policy, False)
+            again.fallback_bytes += out.fallback_bytes
+            return payload, body_len, fds, again
+        out.slots = []  # the table refers to what is needed now
+        ForkingPickler(buf, 5).dump(table)
+    return buf.getvalue(), body_len, out.fds, out
 
 
 def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bool = True) -> None:
@@ -311,9 +488,9 @@ def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bo
 
     ``policy``/``shm``: see ``ShmPolicy`` and ``dumps``.
     """
-    payload, fds, out = dumps(obj, policy, shm)
+    payload, body_len, fds, out = dumps(obj, policy, shm)
     try:
-        _send_frame(sock, payload, fds)
+        _send_frame(sock, payload, body_len, fds)
     except BaseException:
         out.unsent()  # a message cut short is discarded whole by the receiver
         raise
@@ -322,8 +499,8 @@ def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bo
         policy.sent(out)
 
 
-def _send_frame(sock: socket.socket, payload: bytes, fds: list[int]) -> None:
-    header = _HEADER.pack(len(payload), len(fds))
+def _send_frame(sock: socket.socket, payload: bytes, body_len: int, fds: list[int]) -> None:
+    header = _HEADER.pack(len(payload), len(fds), body_len)
     total = len(header) + len(payload)
     if fds:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
@@ -362,6 +539,7 @@ class Receiver:
         self._got = 0  # bytes of _body filled
         self._need_fds = 0
         self._payload_len = -1
+        self._body_len = 0
         self._fds: list[int] = []
         self.eof = False  # the sender has closed its end (exited or was killed)
         self.received = 0  # bytes read so far: progress, even before a message is whole
@@ -395,6 +573,9 @@ class Receiver:
         except OSError as exc:
             raise ChannelClosed(str(exc)) from exc
         self._take_fds(anc)
+        if _flags & socket.MSG_CTRUNC:
+            # The kernel dropped fds that had no room here: their message cannot be rebuilt.
+            raise FdLimitError(fd_limit_text("receiving a batch"))
         if n == 0:
             raise ChannelClosed("end of stream")
         self.received += n
@@ -414,7 +595,7 @@ class Receiver:
         out: list[Any] = []
         while True:
             if self._payload_len < 0 and len(self._buf) >= _HEADER.size:
-                self._payload_len, self._need_fds = _HEADER.unpack_from(self._buf)
+                self._payload_len, self._need_fds, self._body_len = _HEADER.unpack_from(self._buf)
                 del self._buf[: _HEADER.size]
                 if self._payload_len > _RECV_CHUNK and len(self._buf) < self._payload_len:
                     # Large: receive the rest in place, straight into its final buffer.
@@ -435,7 +616,7 @@ class Receiver:
                 del self._fds[: self._need_fds]  # any further fds belong to the next message
                 self._payload_len = -1
                 self._need_fds = 0
-                out.append(self._decode(payload, fds))
+                out.append(self._decode(payload, self._body_len, fds))
                 continue
             if self.eof:
                 return out
@@ -447,12 +628,24 @@ class Receiver:
             if not more:
                 return out
 
-    def _decode(self, payload: bytes | bytearray, fds: list[int]) -> Any:
+    def _decode(self, payload: bytes | bytearray, body_len: int, fds: list[int]) -> Any:
         _tls.fds, _tls.used, _tls.fallback = fds, set(), []
         try:
-            msg = ForkingPickler.loads(payload)
+            with memoryview(payload) as view:
+                if body_len < len(payload):
+                    _tls.slots = _unpack(ForkingPickler.loads(view[body_len:]))
+                msg = ForkingPickler.loads(view[:body_len])
             fallback = _tls.fallback
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE) or "Too many open files" in str(exc):
+                raise FdLimitError(fd_limit_text("mapping a received batch")) from exc
+            raise
+        except RuntimeError as exc:
+            if "Too many open files" in str(exc):
+                raise FdLimitError(fd_limit_text("mapping a received batch")) from exc
+            raise
         finally:
+            _tls.slots = None
             for i, fd in enumerate(fds):
                 if i not in _tls.used:
                     try:

@@ -600,6 +600,7 @@ class _WorkerLoop:
 
         self.custom_collate = spec.collate_fn not in (default_collate, default_convert)
         self.shm = _transport.ShmPolicy()
+        self.shm_ok = True  # the batch being built may use /dev/shm (ShmPolicy.allow)
         self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
         self.arrivals = 0
 
@@ -669,7 +670,10 @@ class _WorkerLoop:
         else:
             self.seed = derive_seed(TASK, self.base, tid)
         seed_global_rngs(self.seed)
-        fetcher.shared = shm.allow()
+        self.shm_ok = shm.allow()
+        # A batch that will be packed into one segment is collated out of /dev/shm: its
+        # storages are copied into the segment anyway (see _transport._place).
+        fetcher.shared = self.shm_ok and not shm.packing
         if spec.iterable:
             fetcher.guard_collate = self.custom_collate and fetcher.shared and shm.large
         gen = self.gen
@@ -705,7 +709,7 @@ class _WorkerLoop:
                 raise
             self.shm.failed(exc)
         # (Out of the except block: the error and its frames are gone before the redo.)
-        fetcher.shared = False
+        fetcher.shared = self.shm_ok = False
         if self.spec.iterable:
             # The items read are kept (fetcher.partial); the RNGs go back to where they were
             # before the collate, when a snapshot was taken (see guard_collate).
@@ -719,7 +723,7 @@ class _WorkerLoop:
         sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
         a reference or form a cycle with it (see _transport)."""
         try:
-            _transport.send(self.result_conn, msg, self.shm, self.fetcher.shared)
+            _transport.send(self.result_conn, msg, self.shm, self.shm_ok)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             return False
         except Exception:
