@@ -80,6 +80,7 @@ class Dispatcher:
         self.gen = 0  # epoch generation stamped on messages
         self.epoch = 0  # the epoch, and the base seed, every EPOCH message carries
         self.base_seed = 0
+        self.sample_seed: int | None = None  # seed_per_sample: what samples' seeds derive from
         self.record: dict[int, Any] | None = None  # stateful samplers: tid -> indices drawn
 
     # ---- assignment ----------------------------------------------------------------------
@@ -195,7 +196,7 @@ class Dispatcher:
             # would leave a persistent worker's dataset there for the next epoch, where the
             # uninterrupted run's dataset ran its iterator to the end.
             resume = resume_message(slot.recv_state, slot.recv_at, slot.recv_count)
-        self.sup.send(slot, (EPOCH, self.gen, self.epoch, self.base_seed, resume))
+        self.sup.send(slot, (EPOCH, self.gen, self.epoch, self.base_seed, resume, self.sample_seed))
 
     # ---- results and deaths --------------------------------------------------------------
     def on_result(self, slot: WorkerSlot, tid: int) -> Task | None:

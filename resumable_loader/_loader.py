@@ -59,6 +59,7 @@ from ._reorder import ReorderBuffer
 from ._sampling import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
     DIST_SEED,
+    SAMPLE,
     STREAM,
     TASK,
     WORKER,
@@ -392,6 +393,7 @@ class _SingleProcessIter(_BaseIter):
             # so that the iterator forms no reference cycle with its own retrier.
             self._run = make_retrier(loader.retry, lambda: seed_global_rngs(p.seed))
             self._fetcher = MapFetcher(loader.dataset, loader._auto_collation, loader.collate_fn)
+            self._fetcher.sample_seed = loader._sample_seed()
             if self._stateful_sampler and rp is not None:
                 p.source = plan.epoch(
                     self._base, epoch, rp.drawn, rp.sampler_state, rp.sampler_done
@@ -647,6 +649,7 @@ class _MultiProcessIter(_BaseIter):
         disp.gen = gen
         disp.epoch = self.epoch
         disp.base_seed = self._base
+        disp.sample_seed = loader._sample_seed()
         self._disp = disp
         self._recovery = Recovery(
             sup,
@@ -879,6 +882,12 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             ``1``: always with every result, whatever it costs.
         snapshot_every_n_steps: torchdata's name for ``stream_state_every`` (accepted so that
             a migration from ``StatefulDataLoader`` is an import change).
+        seed_per_sample: map-style datasets: seed python ``random``, numpy and torch before
+            each ``dataset[i]`` from (epoch seed, i) -- with a DistributedSampler, from (its
+            seed, its epoch, i), the same on every rank -- so a sample's random augmentation
+            does not depend on the batch it is in: values stay identical across changes of
+            world size, ``num_workers`` and batch composition. ``__getitems__`` is then not
+            used (the samples are fetched one by one). Costs a few microseconds per sample.
 
     Methods beyond torch's: ``state_dict()``, ``load_state_dict()``, ``statistics()``,
     ``close()`` and context-manager use.
@@ -910,6 +919,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         retry: RetryPolicy | None = None,
         stream_state_every: int | None = None,
         snapshot_every_n_steps: int | None = None,
+        seed_per_sample: bool = False,
     ) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         super().__init__(
@@ -963,6 +973,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self.on_poison = on_poison
         self.retry = retry
         self.stream_state_every = stream_state_every
+        if type(seed_per_sample) is not bool:
+            raise TypeError(f"seed_per_sample must be a bool, got {seed_per_sample!r}")
+        self.seed_per_sample = seed_per_sample
         self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)
         self._counters = Counters()
         # The seed of the latest epoch begun, drawn at its iter() as torch draws its base seed;
@@ -1043,6 +1056,15 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         return derive_seed(
             DIST_SEED, sampler.seed, sampler.epoch, len(history), sampler.num_replicas, sampler.rank
         )
+
+    def _sample_seed(self) -> int | None:
+        """What each sample's seed derives from (``seed_per_sample``), else None."""
+        if not self.seed_per_sample or self._plan.kind == ITERABLE:
+            return None
+        if self._plan.kind == DISTRIBUTED:
+            sampler = self._plan.sampler
+            return derive_seed(SAMPLE, sampler.seed, sampler.epoch)
+        return derive_seed(SAMPLE, self._seed)
 
     def _generator(self) -> torch.Generator | None:
         """The generator an epoch's seed is drawn from: the loader's, else that of torch's own

@@ -30,10 +30,18 @@ import torch
 from . import _transport
 from ._errors import RemoteTraceback
 from ._schema import has_state, same_state
-from ._seeding import STREAM, TASK, capture_rngs, derive_seed, restore_rngs, seed_global_rngs
+from ._seeding import (
+    SAMPLE,
+    STREAM,
+    TASK,
+    capture_rngs,
+    derive_seed,
+    restore_rngs,
+    seed_global_rngs,
+)
 
 # Main -> worker message tags.
-EPOCH = 0  # (EPOCH, gen, epoch, base_seed, resume)
+EPOCH = 0  # (EPOCH, gen, epoch, base_seed, resume, sample_seed)
 #   resume (streams): None, or (state | None, encoded: bool, state_at, count): load the state
 #   (taken after `state_at` fetches), then replay fetches state_at .. count-1 without sending.
 TASK_MSG = 1  # (TASK_MSG, gen, tid, payload) -- payload: indices (map) or fetch number k (stream)
@@ -134,8 +142,20 @@ class MapFetcher:
         self.collate = collate_fn
         self.getitems = getattr(dataset, "__getitems__", None) if auto_collation else None
         self.shared = True  # in a worker: the collate may allocate in /dev/shm (see _collate)
+        # seed_per_sample: the RNGs are seeded from (this, index) before each dataset[index].
+        self.sample_seed: int | None = None
+
+    def _seeded_item(self, i: Any) -> Any:
+        assert self.sample_seed is not None
+        seed_global_rngs(derive_seed(SAMPLE, self.sample_seed, int(i)))
+        return self.dataset[i]
 
     def fetch(self, indices: Any) -> Any:
+        if self.sample_seed is not None:
+            if self.auto:
+                data = [self._seeded_item(i) for i in indices]
+                return _collate(self.collate, data, self.shared)
+            return _collate(self.collate, self._seeded_item(indices), self.shared)
         if self.auto:
             if self.getitems:
                 data = self.getitems(indices)
@@ -636,7 +656,9 @@ class _WorkerLoop:
                     self.arrivals += 1
             elif tag == EPOCH:
                 self.pending.clear()
-                _, self.gen, self.epoch, self.base, resume = msg
+                _, self.gen, self.epoch, self.base, resume, sample_seed = msg
+                if not self.spec.iterable:
+                    self.fetcher.sample_seed = sample_seed
                 if self.spec.iterable and not self._start_stream(resume):
                     return False
             elif tag == STOP:

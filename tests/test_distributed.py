@@ -194,6 +194,7 @@ def test_the_next_epoch_on_the_new_world_size_is_torchs() -> None:
         assert epoch_of(loader, 1) == epoch_of(make(2, rank), 1)
 
 
+@pytest.mark.filterwarnings("ignore:resuming on:RuntimeWarning")
 def test_two_resizes_in_one_epoch_compose() -> None:
     taken1, states = run_ranks(4, [1, 1, 1, 1], epoch=0)
     merged = merge_rank_states(states)
@@ -281,3 +282,58 @@ def test_other_samplers_resume_only_on_the_same_world_size() -> None:
     sd3 = dict(sd, config=dict(sd["config"], world_size=2, rank=1))
     with pytest.raises(CheckpointError, match="Only torch's DistributedSampler"):
         again.load_state_dict(merge_rank_states([sd2, sd3]))
+
+
+# ---- seed_per_sample ---------------------------------------------------------------------------
+def aug_values(batches) -> dict[int, tuple]:
+    out = {}
+    for b in batches:
+        for k, i in enumerate(b["idx"].tolist()):
+            out[i] = (b["py"][k].item(), b["np"][k].item(), b["torch"][k].item())
+    return out
+
+
+def aug_loader(world: int, rank: int, *, bs: int = BS, nw: int = 0, per_sample: bool = True):
+    ds = RandomAugDataset(N)
+    return DataLoader(
+        ds,
+        batch_size=bs,
+        sampler=DistributedSampler(ds, num_replicas=world, rank=rank, seed=7),
+        num_workers=nw,
+        seed_per_sample=per_sample,
+        multiprocessing_context="fork" if nw else None,
+    )
+
+
+def test_seed_per_sample_values_depend_only_on_the_sample() -> None:
+    # Whatever the world size, workers and batch size, sample i gets the same augmentation.
+    def values(world: int, bs: int, nw: int, per_sample: bool = True) -> dict[int, tuple]:
+        got: dict[int, tuple] = {}
+        for rank in range(world):
+            loader = aug_loader(world, rank, bs=bs, nw=nw, per_sample=per_sample)
+            loader.sampler.set_epoch(2)
+            got.update(aug_values(loader))
+        return got
+
+    reference = values(1, 2, 0)
+    assert values(3, 5, 2) == reference
+    assert values(2, 1, 0) == reference
+    assert values(2, 4, 0, per_sample=False) != reference  # without it: per batch
+
+
+@pytest.mark.filterwarnings("ignore:resuming on:RuntimeWarning")
+def test_seed_per_sample_values_survive_a_resize() -> None:
+    reference = aug_values(aug_loader(1, 0))
+    got: dict[int, tuple] = {}
+    states = []
+    for rank in range(3):
+        loader = aug_loader(3, rank)
+        it = iter(loader)
+        got.update(aug_values([next(it)]))
+        states.append(loader.state_dict())
+        del it
+    for rank in range(2):
+        loader = aug_loader(2, rank, nw=2)
+        loader.load_state_dict(merge_rank_states(states))
+        got.update(aug_values(loader))
+    assert got == reference
