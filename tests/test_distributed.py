@@ -337,3 +337,19 @@ def test_seed_per_sample_values_survive_a_resize() -> None:
         loader.load_state_dict(merge_rank_states(states))
         got.update(aug_values(loader))
     assert got == reference
+
+
+@pytest.mark.filterwarnings("ignore:resuming on:RuntimeWarning")
+def test_ranks_one_batch_apart_across_the_epochs_end() -> None:
+    # Rank 0 delivered its whole share (its state already says "next epoch"); rank 1 is one
+    # batch short. On 3 ranks, only rank 1's last batch is left to deliver.
+    taken, states = run_ranks(2, [6, 5], epoch=0)
+    assert [sd["epoch"] for sd in states] == [1, 0]
+    rest = finish_ranks(3, merge_rank_states(states))
+    got = [i for r in taken for i in r] + [i for r in rest for b in r for i in b]
+    counts = collections.Counter(got)
+    assert set(counts) == set(range(N))
+    # 12 + 10 taken; of the two positions rank 1 did not reach, one is torch's padding: one
+    # sample is left, padded to a step of 3 ranks.
+    assert len(taken[0]) + len(taken[1]) == 22
+    assert sum(counts.values()) == 22 + 3

@@ -88,3 +88,27 @@ def test_dcp_resume_on_any_world_size_delivers_the_epoch_exactly_once(
         assert saved[1]["respawns"] >= 1  # a worker died on rank 1, and nothing changed
     for r in range(after):
         assert resumed[r]["got"]["2"] == torchs_shards(after, 2)[r]
+
+
+def test_the_ddp_example_killed_and_resumed_on_three_ranks(tmp_path: Path) -> None:
+    example = JOB.parent.parent / "examples" / "ddp_elastic.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    first = subprocess.run(
+        [*run, "--nproc-per-node=2", str(example), "--ckpt", str(tmp_path), "--crash-at", "7"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert first.returncode != 0  # rank 0 was SIGKILLed at step 7
+    second = subprocess.run(
+        [*run, "--nproc-per-node=3", str(example), "--ckpt", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed" in second.stdout
+    assert "every sample of every epoch trained exactly once" in second.stdout
