@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from resumable_loader._codec import MAGIC, clip_text, encoded_size, load_state
+from resumable_loader._distributed import GLOBAL_FORMAT, split_global
 from resumable_loader._errors import CheckpointError
 from resumable_loader._schema import FORMAT, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
@@ -75,7 +76,11 @@ def _build_parser() -> argparse.ArgumentParser:
             "torch.save files are loaded with weights_only=True."
         ),
     )
-    inspect.add_argument("path", metavar="PATH", help="a dump_state or torch.save file")
+    inspect.add_argument(
+        "path",
+        metavar="PATH",
+        help="a dump_state or torch.save file, or a torch.distributed.checkpoint directory",
+    )
     inspect.add_argument(
         "--key",
         help=(
@@ -122,7 +127,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _load(path: str) -> tuple[Any, str, bool]:
-    """Read PATH as a dump_state or torch.save file: (object, description, is a dump file)."""
+    """Read PATH as a dump_state or torch.save file, or the loader entries of a DCP
+    directory: (object, description, is a dump file)."""
+    if os.path.isdir(path):
+        return _load_dcp(path), "torch.distributed.checkpoint directory", False
     try:
         with open(path, "rb") as f:
             # Sniff first: a torch.save training checkpoint can be gigabytes, and torch.load
@@ -155,10 +163,36 @@ def _load(path: str) -> tuple[Any, str, bool]:
     return obj, "torch.save file", False
 
 
+def _load_dcp(path: str) -> Any:
+    """The loader states of a torch.distributed.checkpoint directory, read without a process
+    group; only their keys are read, not the model's tensors."""
+    import warnings
+
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+        keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as exc:
+        raise CliError(
+            f"{path} is a directory but not a torch.distributed.checkpoint one "
+            f"({type(exc).__name__}: {_first_line(str(exc))})"
+        ) from exc
+    roots = [k[: -len(".format")] for k in keys if k.endswith(".format")]
+    wanted = {k for k in keys if any(k.startswith(r + ".") for r in roots)}
+    if not wanted:
+        raise CliError(f"no loader state in the checkpoint {path} (keys: {_list_keys(keys)})")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in a single process"
+        return _load_state_dict_from_keys(wanted, checkpoint_id=path)
+
+
 def _looks_like_state(obj: dict[Any, Any]) -> bool:
     # A state without a "format" key (hand-made, or from an older writer) still has several of
     # the schema's keys; a training checkpoint that merely contains a state has few.
-    return obj.get("format") == STATE_FORMAT or len(set(KNOWN_KEYS) & set(obj)) >= 3
+    if obj.get("format") in (STATE_FORMAT, GLOBAL_FORMAT):
+        return True
+    return len(set(KNOWN_KEYS) & set(obj)) >= 3
 
 
 def _find_state(obj: Any, path: str) -> tuple[str, dict[Any, Any]]:
@@ -235,7 +269,10 @@ def _list_keys(keys: Any) -> str:
 
 
 def format_summary(state: dict[Any, Any], source: str = "") -> str:
-    """A readable multi-line summary of a loader state dict."""
+    """A readable multi-line summary of a loader state dict (or of a job's global state: its
+    world size, then each rank's state)."""
+    if state.get("format") == GLOBAL_FORMAT:
+        return _global_summary(state, source)
     out = _Lines()
     out.line(f"resumable_loader state: {source}" if source else "resumable_loader state")
     fmt, version = state.get("format", MISSING), state.get("version", MISSING)
@@ -254,16 +291,30 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
     out.field("seed", _scalar(seed) if seed is not None else "None (drawn when the epoch begins)")
     out.field("epoch", _scalar(epoch))
     if _is_count(seed) and _is_count(epoch):
-        out.field(
-            "epoch seeds",
-            f"shuffle {derive_seed(SAMPLER, seed)}; each batch from (seed, task id)",
+        distributed = isinstance(config, dict) and str(config.get("sampler")).startswith(
+            "distributed("
         )
+        shuffle = (
+            "the DistributedSampler's (its seed + epoch)"
+            if distributed
+            else str(derive_seed(SAMPLER, seed))
+        )
+        out.field("epoch seeds", f"shuffle {shuffle}; each batch from (seed, task id)")
     consumed = state.get("consumed", MISSING)
     ahead = state.get("delivered_ahead", MISSING)
     out.field(
         "position",
         f"{_scalar(consumed)} tasks consumed; delivered ahead: {_int_list(ahead, SHOW_INDICES)}",
     )
+    dist = state.get("distributed", MISSING)
+    if isinstance(dist, dict):
+        history = dist.get("history") or "none"
+        out.field(
+            "sampler epoch",
+            f"{_scalar(dist.get('sampler_epoch', MISSING))} (DistributedSampler); resizes "
+            "within it [[world size, [samples each rank took]], ...]: "
+            + clip_text(str(history), 60),
+        )
     sampler = config.get("sampler") if isinstance(config, dict) else None
     _outstanding_lines(out, state.get("outstanding", MISSING), sampler, consumed)
     sampler_state = state.get("sampler_state", MISSING)
@@ -281,6 +332,18 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
         if len(extra) > SHOW_KEYS:
             out.line(f"  ... {len(extra) - SHOW_KEYS} more")
     return out.text()
+
+
+def _global_summary(state: dict[Any, Any], source: str) -> str:
+    head = f"resumable_loader global state: {source}" if source else "resumable_loader global state"
+    try:
+        ranks = split_global(state)
+    except CheckpointError as exc:
+        return f"{head}\n  {exc}"
+    parts = [f"{head}\n  world size {len(ranks)} (any number of ranks can load it)"]
+    for r, rank_state in enumerate(ranks):
+        parts.append(format_summary(rank_state, f"rank {r} of {len(ranks)}"))
+    return "\n".join(parts)
 
 
 def _config_lines(out: _Lines, config: dict[Any, Any]) -> None:

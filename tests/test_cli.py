@@ -83,7 +83,7 @@ def test_cli_refuses_corrupt_and_missing_files_in_one_line(
         (corrupt, "checksum mismatch"),
         (truncated, "truncated"),
         (tmp_path / "missing", "No such file"),
-        (tmp_path, "Is a directory"),
+        (tmp_path, "is a directory but not a torch.distributed.checkpoint one"),
     ]
     for path, expected in cases:
         assert main(["inspect", str(path)]) == 2
@@ -193,3 +193,26 @@ def test_summary_explains_outstanding_seeds_and_worker_states() -> None:
     assert f"tasks {consumed} on are recomputed from the seed" in text
     assert "state_at" in text and '{"pos": 36' in text  # worker 0's state, previewed
     assert "stats" in text.split("other keys")[1]  # an unknown key is listed as such
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_cli_inspects_the_loader_in_a_dcp_directory(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.utils.data.distributed import DistributedSampler
+
+    from resumable_loader import DataLoader
+
+    ds = list(range(10))
+    loader = DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, 1, 0, seed=5))
+    it = iter(loader)
+    next(it)
+    # Without a process group DCP saves from one process; the loader state is still global.
+    dcp.save({"loader": loader, "model": {"w": torch.zeros(3)}}, checkpoint_id=str(tmp_path))
+    proc = run_cli("inspect", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "torch.distributed.checkpoint directory" in out
+    assert "world size 1 (any number of ranks can load it)" in out
+    assert "rank 0 of 1" in out and "1 tasks consumed" in out
+    assert "sampler epoch    0 (DistributedSampler)" in out
