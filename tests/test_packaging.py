@@ -96,7 +96,16 @@ def test_built_wheel_and_sdist_install_and_resume(tmp_path: Path) -> None:
     with tarfile.open(sdist) as tar:
         top = tar.getnames()[0].split("/")[0]
         names = {n.removeprefix(top + "/") for n in tar.getnames()}
-    for needed in ("LICENSE", "README.md", "pyproject.toml", "resumable_loader/py.typed"):
+    needed_in_sdist = (
+        "LICENSE",
+        "README.md",
+        "CHANGELOG.md",
+        "docs/README.md",
+        "pyproject.toml",
+        "resumable_loader/py.typed",
+        "tests/conftest.py",
+    )
+    for needed in needed_in_sdist:
         assert needed in names, f"{needed} is not in the sdist"
 
     with zipfile.ZipFile(wheel) as whl:
