@@ -499,8 +499,8 @@ class _LoaderModel(RuleBasedStateMachine):
 
     def _at_epoch_end(self, sd: dict[str, Any]) -> bool:
         """Every batch of the epoch was delivered, StopIteration not yet seen, and the state
-        already says "the start of the next epoch": README, "A state taken after the last
-        batch, before StopIteration" (the loader may say so when it knows the epoch is over;
+        already says "the start of the next epoch": docs/guarantees.md, "A state taken after the
+        last batch, before StopIteration" (the loader may say so when it knows the epoch is over;
         otherwise it says "all batches of this epoch delivered")."""
         p = self.pos
         return (

@@ -5,11 +5,17 @@ Save ``loader.state_dict()`` next to the model; after a preemption build the loa
 have produced. Workers that die or hang are replaced and their tasks re-sent.
 """
 
-from ._codec import dump_state, load_state
-from ._distributed import merge_rank_states
-from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError
-from ._loader import DataLoader, RetryPolicy
-from ._stats import LoaderStatistics
+from ._compat import check_torch as _check_torch
+
+# Before the modules that import torch's private APIs, so a torch without them gets one clear
+# ImportError instead of an AttributeError deep in a worker.
+_check_torch()
+
+from ._codec import dump_state, load_state  # noqa: E402
+from ._distributed import merge_rank_states  # noqa: E402
+from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
+from ._loader import DataLoader, RetryPolicy  # noqa: E402
+from ._stats import LoaderStatistics  # noqa: E402
 
 __version__ = "0.1.0"
 

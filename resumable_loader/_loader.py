@@ -1,6 +1,7 @@
 """The DataLoader and its iterators: where the stages are wired together.
 
-This is the one drawing of the pipeline (the README links here); each box names its module.
+This is the one drawing of the pipeline (docs/internals.md walks along it); each box names its
+module.
 
  sampler / batch_sampler ──► dispatcher ──► task pipe (one per worker) ──► worker process
   (_sampling: the epoch's     (_dispatch: task id = position in          (_worker: per-task

@@ -20,6 +20,7 @@ PUBLIC = [
     "__version__",
     "dump_state",
     "load_state",
+    "merge_rank_states",
 ]
 
 TESTING = [

@@ -51,7 +51,8 @@ from resumable_loader.testing import canonical, kill_at, kill_worker, roundtrip_
 
 # A child's wait limit: a Lightning process starts in ~3 s, a loaded 2-core box can be slower.
 CHILD_TIMEOUT_S = 180
-# A worker whose main process was SIGKILLed notices within a second (README); allow for load.
+# A worker whose main process was SIGKILLed notices within a second (docs/guarantees.md);
+# allow for load.
 ORPHAN_EXIT_S = 15.0
 
 

@@ -290,8 +290,8 @@ def test_signal_to_a_training_process_keeps_the_stream_exact(row: str, child: An
     left = _group_after_exit(proc.pid)
     if left:
         problems.append(f"processes of the child's group outlived it: {left}")
-    # The one known gap (README): a forkserver worker cannot be shielded between the fork
-    # server's fork and our code (blocking SIGINT in the fork server would block it for every
+    # The one known gap (docs/guarantees.md): a forkserver worker cannot be shielded between the
+    # fork server's fork and our code (blocking SIGINT in the fork server would block it for every
     # process it forks, ours or not). A Ctrl-C landing there kills that worker with a traceback
     # and may be seen as its death; the main process, the state and the resume stay exact.
     gap = mode == "sigint-at-start" and method == "forkserver"

@@ -3,7 +3,7 @@
 Issue #9. A loop leaves the ``for`` by ``break``, ``itertools.islice``, an exception raised in
 its body, ``KeyboardInterrupt`` (Ctrl-C lands in the body almost always), ``del it``, or by
 reaching the end of the epoch; a checkpoint may also be taken inside the loop. The contract
-(README, "Leaving the loop"), for the latest iterator of a loader:
+(docs/guarantees.md, "Leaving the loop"), for the latest iterator of a loader:
 
 * alive (between batches): ``state_dict()`` describes the batches it delivered so far;
 * abandoned: it describes exactly what that iterator delivered (epoch E, k batches) until the
@@ -23,12 +23,13 @@ takes ``state_dict()`` after the loop (through ``torch.save`` in some rows), res
 fresh loader to the end of the following epoch, and checks that the same loader's next
 ``iter()`` is the reference's next epoch.
 
-Two places where the contract leaves room: after the last batch but before StopIteration the
-README lets the state say either (E, all batches) or the start of E + 1 (both resume the same
-stream; ``_expected_positions``); and the same loader's next epoch is not compared where the
-dataset object itself keeps the stream's cursor in a process that outlives the epoch
-(``_cursor_in_dataset``). ``test_preemption_recipe_...`` runs the README's recipe, which takes
-the loop's epoch from the loader's state, so either answer trains on the same batches.
+Two places where the contract leaves room: after the last batch but before StopIteration
+docs/guarantees.md lets the state say either (E, all batches) or the start of E + 1 (both resume
+the same stream; ``_expected_positions``); and the same loader's next epoch is not compared where
+the dataset object itself keeps the stream's cursor in a process that outlives the epoch
+(``_cursor_in_dataset``). ``test_preemption_recipe_...`` runs the preemption recipe
+(docs/preemption.md), which takes the loop's epoch from the loader's state, so either answer
+trains on the same batches.
 
 The garbage collector is switched off in this module (never run): a reference cycle that keeps
 workers alive must show up as workers still alive, not be hidden by a collection that happens
@@ -133,7 +134,7 @@ def _expected_positions(e: int, k: int, n: int, finished: bool) -> set[tuple[int
     """What a state may say after epoch ``e`` of ``n`` batches delivered ``k`` of them.
 
     After StopIteration: the start of epoch e + 1. Before it: (e, k) -- except that after the
-    last batch (k == n) the README lets the loader say "the start of epoch e + 1" when it
+    last batch (k == n) docs/guarantees.md lets the loader say "the start of epoch e + 1" when it
     knows the epoch is over; the stream resumed from either is the same (a resume from
     (e, n) yields an empty rest of epoch e first)."""
     if finished:
@@ -343,12 +344,12 @@ def test_loop_shape_resumes_exactly(dataset: str, workers: str, shape: Shape) ->
     _resume_and_compare(make, saved, ref, e + 1, shape.via, where)
 
 
-# ---- the README's preemption recipe, with the user's epoch counter ---------------------------
+# ---- the preemption recipe (docs/preemption.md), with the user's epoch counter ----------------
 def _train(
     loader: DataLoader[Any], start_epoch: int, preempt_at: int | None
 ) -> tuple[list[tuple[int, Any]], int]:
-    """The README's SIGTERM recipe; the flag is set at a step count rather than by a signal
-    (test_interrupts.py sends real ones). Returns (epoch, batch) trained on, and the epoch
+    """The SIGTERM recipe of docs/preemption.md; the flag is set at a step count rather than by a
+    signal (test_interrupts.py sends real ones). Returns (epoch, batch) trained on, and the epoch
     counter at the end."""
     trained: list[tuple[int, Any]] = []
     preempted = False
@@ -375,7 +376,8 @@ PREEMPT_AT: dict[str, Callable[[tuple[tuple[Any, ...], ...]], int]] = {
 # A loop with its own epoch counter, preempted after an epoch's last batch (before
 # StopIteration), is left out on purpose: where the loader knows the epoch is over, its state
 # is the next epoch's start (as torchdata's, and as Lightning needs), so such a loop would train
-# one epoch more than it meant to. The README says to take the epoch from the loader's state.
+# one epoch more than it meant to. docs/preemption.md says to take the epoch from the loader's
+# state.
 COUNTER_POINTS = [
     (counter, point)
     for counter in ("epoch-from-loader-state", "own-epoch-counter")
@@ -392,8 +394,8 @@ def test_preemption_recipe_trains_on_the_uninterrupted_stream(
 ) -> None:
     """Preempted, saved after leaving the loop, resumed: the (epoch, batch) pairs trained on
     are the uninterrupted run's. The loop's epoch counter is either taken from the loader's
-    state (what the README advises) or kept by the loop itself and saved beside the loader's
-    state (what the README's recipe did before, and what torch users write)."""
+    state (what docs/preemption.md advises) or kept by the loop itself and saved beside the loader's
+    state (what the recipe did before, and what torch users write)."""
     make = _factory(dataset, workers)
     ref = _reference(dataset, workers)
     uninterrupted = [(e, b) for e in range(EPOCHS) for b in ref[e]]

@@ -1,5 +1,5 @@
 """What a user migrating from torchdata's StatefulDataLoader relies on (issue #12's torchdata
-half). Differences kept on purpose are in the README's differences section."""
+half). Differences kept on purpose are in docs/differences.md."""
 
 from __future__ import annotations
 
