@@ -39,6 +39,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader
 from resumable_loader.testing import canonical
@@ -125,6 +126,18 @@ KINDS = [
         0,
     ),
     Kind(
+        "map-distributed",  # distributed: sampler_epoch, history (a 3 -> 2 re-cut among them)
+        lambda nw: DataLoader(
+            F.MapData(11),
+            batch_size=2,
+            sampler=DistributedSampler(F.MapData(11), num_replicas=2, rank=1, seed=3),
+            num_workers=nw,
+            **_kw(nw),
+        ),
+        0,
+        0,
+    ),
+    Kind(
         "stream-dataset-state",
         lambda nw: DataLoader(F.DatasetStateStream(7), batch_size=2, generator=_gen(), **_kw(nw)),
         0,
@@ -153,7 +166,7 @@ KINDS = [
     ),
 ]
 # The two-worker stream costs a worker start per loader: drawn less often.
-KIND_WEIGHTS = [3, 2, 3, 2, 3, 2, 1]
+KIND_WEIGHTS = [3, 2, 3, 2, 3, 3, 2, 1]
 
 _STATES: dict[str, list[dict[str, Any]]] = {}
 _REFERENCE: dict[tuple[str, int], list[list[Any]]] = {}
@@ -256,6 +269,10 @@ KEYS = st.sampled_from(
         "exhausted",
         "dataset_state",
         "state_at",
+        "distributed",
+        "sampler_epoch",
+        "history",
+        "generator_draws",
         "pos",
         "epoch",
         "batch_size",

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from resumable_loader._codec import MAGIC, clip_text, encoded_size, load_state
-from resumable_loader._distributed import GLOBAL_FORMAT, split_global
+from resumable_loader._distributed import GLOBAL_FORMAT, is_global, split_global
 from resumable_loader._errors import CheckpointError
 from resumable_loader._schema import FORMAT, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
@@ -190,7 +190,8 @@ def _load_dcp(path: str) -> Any:
 def _looks_like_state(obj: dict[Any, Any]) -> bool:
     # A state without a "format" key (hand-made, or from an older writer) still has several of
     # the schema's keys; a training checkpoint that merely contains a state has few.
-    if obj.get("format") in (STATE_FORMAT, GLOBAL_FORMAT):
+    fmt = obj.get("format")
+    if isinstance(fmt, str) and fmt in (STATE_FORMAT, GLOBAL_FORMAT):
         return True
     return len(set(KNOWN_KEYS) & set(obj)) >= 3
 
@@ -271,7 +272,7 @@ def _list_keys(keys: Any) -> str:
 def format_summary(state: dict[Any, Any], source: str = "") -> str:
     """A readable multi-line summary of a loader state dict (or of a job's global state: its
     world size, then each rank's state)."""
-    if state.get("format") == GLOBAL_FORMAT:
+    if is_global(state):
         return _global_summary(state, source)
     out = _Lines()
     out.line(f"resumable_loader state: {source}" if source else "resumable_loader state")

@@ -250,7 +250,8 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def is_global(sd: Any) -> bool:
-    return isinstance(sd, dict) and sd.get("format") == GLOBAL_FORMAT
+    fmt = sd.get("format") if isinstance(sd, dict) else None
+    return isinstance(fmt, str) and fmt == GLOBAL_FORMAT
 
 
 def split_global(sd: dict[str, Any]) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ position in the epoch's batch order. This module turns the loader's sampler into
 source of task indices that can start at any position:
 
 * ``builtin``: torch's own ``SequentialSampler`` / ``RandomSampler`` (exact types), batched by
-  torch's ``BatchSampler`` or unbatched. Their order is recomputed from (seed, epoch), so the
+  torch's ``BatchSampler`` or unbatched. Their order is recomputed from the epoch's seed, so the
   state is O(1): seed + position, never a permutation or a generator tensor.
 * ``stateful``: a user sampler/batch sampler with ``state_dict()``/``load_state_dict()`` (also
   inside torch's ``BatchSampler``); its own state is saved, as of the batches drawn so far,
@@ -213,7 +213,7 @@ class _SeededDraws(Iterator[Any]):
 
     torch's SubsetRandomSampler, WeightedRandomSampler and RandomSampler subclasses draw from
     torch's global generator when they have none of their own. Under this wrapper they draw
-    from a generator seeded from (base seed, epoch), whose state lives here between draws:
+    from a generator seeded from the epoch's seed, whose state lives here between draws:
     the order is the same in a resumed run (whatever the global seed there), and the
     user's global RNG is left alone. Costs ~2 us per draw.
     """

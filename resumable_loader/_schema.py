@@ -272,6 +272,24 @@ def _int(sd: dict[str, Any], key: str, *, minimum: int = 0) -> int:
     return v
 
 
+# A resumed loader draws this many seeds from its generator (one per epoch begun): a bound
+# far above any real run keeps a damaged count from stalling load_state_dict().
+MAX_DRAWS = 1_000_000
+
+
+def _draws(sd: dict[str, Any]) -> int:
+    if K_DRAWS not in sd:
+        return 0
+    n = _int(sd, K_DRAWS)
+    if n > MAX_DRAWS:
+        raise _fail(
+            K_DRAWS,
+            f"{n} seeds drawn from the generator (one per epoch begun; at most {MAX_DRAWS})",
+            "the state is damaged",
+        )
+    return n
+
+
 def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> ResumePoint:
     """Validate ``sd`` against this loader's ``config``; raise CheckpointError naming the field.
 
@@ -281,7 +299,7 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     rp = ResumePoint(
         seed=None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED),
         epoch=_int(sd, K_EPOCH),
-        draws=_int(sd, K_DRAWS) if K_DRAWS in sd else 0,
+        draws=_draws(sd),
         stateful=stateful_sampler,
         iterable=config["dataset_kind"] == "iterable",
         source=sd,
@@ -316,6 +334,7 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
     ok = (
         isinstance(d, dict)
         and type(d.get("sampler_epoch")) is int
+        and 0 <= d["sampler_epoch"] < 2**62
         and isinstance(history, list)
         and all(
             isinstance(h, list)

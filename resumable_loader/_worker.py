@@ -6,7 +6,7 @@ supervisor throws away with it (a shared queue would stay locked by the dead wri
 
     main ──(EPOCH | TASK | STOP)──► task pipe ──► worker ──► result pipe ──(READY | RESULT)──► main
 
-Per task: seed python/numpy/torch from (base seed, epoch, task), fetch, collate, and send the
+Per task: seed python/numpy/torch from (epoch seed, task), fetch, collate, and send the
 result in one message together with the dataset's state for stateful streams ("state rides with
 the data"). Tasks waiting in the pipe are run lowest id first, so a task re-sent after a crash
 overtakes the prefetched ones queued behind it.
