@@ -25,16 +25,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ._protocol import Epoch, StreamResume, TaskMsg
 from ._supervisor import READY_STATE, STARTING, Supervisor, WorkerSlot
-from ._worker import EPOCH, TASK_MSG
 
 
-def resume_message(state: dict[Any, bytes], state_at: int, count: int) -> Any:
-    """EPOCH's resume for a stream worker: load ``state`` (taken after ``state_at`` fetches),
+def resume_message(state: dict[Any, bytes], state_at: int, count: int) -> StreamResume | None:
+    """Where a stream worker resumes: load ``state`` (taken after ``state_at`` fetches),
     then replay the fetches up to ``count`` without sending them."""
     if not state and not count:
         return None
-    return (state or None, True, state_at if state else 0, count)
+    return StreamResume(state or None, True, state_at if state else 0, count)
 
 
 class Task:
@@ -78,7 +78,7 @@ class Dispatcher:
         self.cycle = next_worker if iterable else start_tid % max(1, len(sup.slots))
         self.recovering: set[int] = set()  # map: slots respawned this epoch, not yet ready
         self.gen = 0  # epoch generation stamped on messages
-        self.epoch = 0  # the epoch, and the base seed, every EPOCH message carries
+        self.epoch = 0  # the epoch, and the base seed, every Epoch message carries
         self.base_seed = 0
         self.sample_seed: int | None = None  # seed_per_sample: what samples' seeds derive from
         self.record: dict[int, Any] | None = None  # stateful samplers: tid -> indices drawn
@@ -125,7 +125,7 @@ class Dispatcher:
             slot.busy_since = time.monotonic()
         slot.outstanding.append(task.tid)
         if slot.alive:
-            self.sup.send(slot, (TASK_MSG, self.gen, task.tid, task.payload))
+            self.sup.send(slot, TaskMsg(self.gen, task.tid, task.payload))
 
     def add_owed(self, tid: int, payload: Any) -> None:
         """A task drawn before a checkpoint and not consumed: send it again (map)."""
@@ -196,7 +196,7 @@ class Dispatcher:
             # would leave a persistent worker's dataset there for the next epoch, where the
             # uninterrupted run's dataset ran its iterator to the end.
             resume = resume_message(slot.recv_state, slot.recv_at, slot.recv_count)
-        self.sup.send(slot, (EPOCH, self.gen, self.epoch, self.base_seed, resume, self.sample_seed))
+        self.sup.send(slot, Epoch(self.gen, self.epoch, self.base_seed, resume, self.sample_seed))
 
     # ---- results and deaths --------------------------------------------------------------
     def on_result(self, slot: WorkerSlot, tid: int) -> Task | None:
@@ -236,7 +236,7 @@ class Dispatcher:
     def resend_stream(self, slot: WorkerSlot) -> None:
         """After a stream slot's respawn: send its tasks again, in order."""
         for tid in sorted(slot.outstanding):
-            self.sup.send(slot, (TASK_MSG, self.gen, tid, self.tasks[tid].payload))
+            self.sup.send(slot, TaskMsg(self.gen, tid, self.tasks[tid].payload))
         slot.busy_since = time.monotonic()
 
     def drop(self, tid: int) -> Task | None:

@@ -55,6 +55,7 @@ from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError
 from ._lifecycle import Cursor, Life
 from ._pin import PinStage, current_device_index, pin_memory
+from ._protocol import Delivery, Result, StreamNote, StreamResume
 from ._recovery import POISON, SKIPPED, Recovery
 from ._reorder import ReorderBuffer
 from ._sampling import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
@@ -370,14 +371,14 @@ class _SingleProcessIter(_BaseIter):
             run = make_retrier(loader.retry, fetcher.before_retry, fetcher.can_retry)
             self._run = run
             wp = rp.workers[0] if rp else S.WorkerPosition()
-            resume: Any = None
+            resume: StreamResume | None = None
             if wp.exhausted:
                 pass  # nothing more this epoch; start the next one from a fresh iterator
             elif wp.dataset_state is not None or wp.delivered:
                 if wp.dataset_state is None:
                     loader._warn_fast_forward(wp.delivered)
                 at = wp.state_at if wp.dataset_state is not None else 0
-                resume = (wp.dataset_state, False, at, wp.delivered)
+                resume = StreamResume(wp.dataset_state, False, at, wp.delivered)
             base = self._base
 
             def replay(fn: Any, fetch_seed: int) -> Any:
@@ -755,13 +756,13 @@ class _MultiProcessIter(_BaseIter):
             self._pump(wait)
             self._counters.wait_time_s += time.monotonic() - now
 
-    def _deliver(self, tid: int, item: Any) -> Any:
-        status, payload, extra = item
-        item = None
+    def _deliver(self, tid: int, item: Delivery) -> Any:
+        status, payload, stream = item
+        del item
         if self._stateful_sampler:
             self._drawn.pop(tid, None)
-        if self._ledger is not None and extra is not None:
-            w, delta, drained = extra
+        if self._ledger is not None and stream is not None:
+            w, delta, drained = stream
             if status in (OK, ERROR):
                 self._ledger.delivered[w] += 1
                 if delta is not None:
@@ -810,8 +811,8 @@ class _MultiProcessIter(_BaseIter):
                     self._counters.duplicates_dropped += 1
         self._disp.fill()
 
-    def _on_result(self, slot: WorkerSlot, msg: Any) -> None:
-        _, gen, tid, status, payload, delta, retries, drained = msg
+    def _on_result(self, slot: WorkerSlot, msg: Result) -> None:
+        gen, tid, status, payload, delta, retries, drained = msg
         if gen != self._disp.gen:
             return  # from an epoch abandoned with persistent workers
         task = self._disp.on_result(slot, tid)
@@ -827,7 +828,9 @@ class _MultiProcessIter(_BaseIter):
                     slot.recv_at = slot.recv_count
             if drained:
                 slot.exhausted = True  # no further task to this worker
-        item = (status, payload, (slot.wid, delta, drained) if self._iterable else None)
+        item = Delivery(
+            status, payload, StreamNote(slot.wid, delta, drained) if self._iterable else None
+        )
         if self._pin is not None:
             # Everything goes through the pin thread's FIFO, errors and ENDs too: a stream's
             # END must not overtake that worker's batches still being pinned.

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
-from ._worker import ERROR, WorkerError
+from ._protocol import Delivery, Status
+from ._worker import WorkerError
 
 # How long close() waits for the thread to finish the batch in hand. Pinning one batch takes
 # milliseconds; a thread still busy after this is abandoned (it is a daemon).
@@ -112,14 +113,14 @@ class PinStage:
             if job is None:
                 return
             tid, item = job
-            status, payload, extra = item
-            if status == 0:  # OK
+            status, payload, stream = item
+            if status == Status.OK:
                 try:
                     with self._fork_lock:
                         payload = self._pin(payload)
                 except Exception:
-                    status, payload = ERROR, WorkerError("in the pin-memory thread")
-            self._out.append((tid, (status, payload, extra)))
+                    status, payload = Status.ERROR, WorkerError("in the pin-memory thread")
+            self._out.append((tid, Delivery(status, payload, stream)))
             del job, item, payload
             try:
                 os.write(self._w, b"\0")

@@ -28,15 +28,15 @@ from typing import Any
 
 from ._dispatch import Dispatcher, Task
 from ._errors import WorkerCrashError
+from ._protocol import Delivery, Status, StreamNote
 from ._stats import Counters
 from ._supervisor import DeathReport, WorkerSlot
-from ._worker import END, WorkerError
+from ._worker import WorkerError
 
 log = logging.getLogger("resumable_loader")
 
-# Statuses beyond the worker's OK / ERROR / END, made by the main process.
-POISON = 3  # payload: the WorkerCrashError to raise at this task's position
-SKIPPED = 4  # payload: (tid, indices, message); the task is skipped (on_poison="skip")
+# The statuses recovery decides (see _protocol.Status), importable from here too.
+END, POISON, SKIPPED = Status.END, Status.POISON, Status.SKIPPED
 
 
 @dataclass
@@ -151,7 +151,7 @@ class Recovery:
                 # be ENDs. Resolve them here; a replacement would read the shard again.
                 for tid in sorted(slot.outstanding):
                     self.disp.drop(tid)
-                    out.deliver.append((tid, (END, None, (slot.wid, None, True))))
+                    out.deliver.append((tid, Delivery(END, None, StreamNote(slot.wid, None, True))))
             else:
                 self.disp.resend_stream(slot)
         self._log_resent(slot, report, [t for t in tids if t in self.disp.tasks])
@@ -194,19 +194,18 @@ class Recovery:
             + _in_torchs_words(report)
         )
         self.disp.drop(task.tid)
-        extra = (slot.wid, None, True) if self.iterable else None
+        extra = StreamNote(slot.wid, None, True) if self.iterable else None
         if self.iterable:
             # The worker's stream cannot get past this batch: its shard ends here this epoch.
             slot.exhausted = True
             for tid in list(slot.outstanding):
                 self.disp.drop(tid)
-                out.deliver.append((tid, (END, None, extra)))
-        item: Any
+                out.deliver.append((tid, Delivery(END, None, extra)))
         if self.on_poison == "skip":
-            item = (SKIPPED, (task.tid, indices, message + " (skipped)"), extra)
+            item = Delivery(SKIPPED, (task.tid, indices, message + " (skipped)"), extra)
         else:
             err = WorkerCrashError(message, task_id=task.tid, indices=indices, attempts=attempts)
-            item = (POISON, err, extra)
+            item = Delivery(POISON, err, extra)
         out.deliver.append((task.tid, item))
 
     def _log_resent(self, slot: WorkerSlot, report: DeathReport, live: list[int]) -> None:

@@ -44,8 +44,9 @@ import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
+from ._protocol import Booted, InitError, Ready, Result, Started, Stop
 from ._transport import Receiver
-from ._worker import BOOTED, INIT_ERROR, READY, STARTED, STOP, WorkerSpec, worker_main
+from ._worker import WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
 
@@ -594,14 +595,16 @@ class Supervisor:
             # in the socket (or it waited to write them): that time is not a hang.
             slot.busy_since = time.monotonic()
         for msg in msgs:
-            tag = msg[0]
-            if tag == STARTED:
-                slot.running = msg[1]
-            elif tag == BOOTED:
+            if isinstance(msg, Result):
+                self.respawns_without_progress = 0
+                events.append(("msg", slot, msg))
+            elif isinstance(msg, Started):
+                slot.running = msg.tid
+            elif isinstance(msg, Booted):
                 slot.booted = True
                 slot.start_since = time.monotonic()  # worker_init_fn's time starts now
-            elif tag == READY:
-                if msg[3] and not self._warned_seeding:
+            elif isinstance(msg, Ready):
+                if msg.seeded and not self._warned_seeding:
                     self._warned_seeding = True
                     _warn_seeding()
                 slot.state = READY_STATE
@@ -609,12 +612,12 @@ class Supervisor:
                 slot.init_error = None
                 slot.busy_since = time.monotonic()
                 events.append(("ready", slot, None))
-            elif tag == INIT_ERROR:
-                slot.init_error = msg[2]
+            elif isinstance(msg, InitError):
+                slot.init_error = msg.error
                 dead[slot] = ("failed to start", False)
             else:
-                self.respawns_without_progress = 0
-                events.append(("msg", slot, msg))
+                # Not one of ours: a worker that sends it is not running our code.
+                dead[slot] = (f"sent an unknown message {type(msg).__name__}", True)
         if conn.eof:
             # The writer is gone: a death, described by its exit status once reaped.
             dead.setdefault(slot, ("", False))
@@ -652,7 +655,7 @@ class Supervisor:
         self.closed = True
         live = [s for s in self.slots if s.proc is not None]
         for slot in live:
-            self.send(slot, (STOP,))
+            self.send(slot, Stop())
         # Closing our ends unblocks a worker stuck writing a large result to a full socket.
         for slot in live:
             self._close_channels(slot)

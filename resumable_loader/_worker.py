@@ -4,7 +4,9 @@ A worker reads messages from its own task pipe and answers on its own result pip
 per worker, so a worker killed mid-write can corrupt nothing but its own pipe, which the
 supervisor throws away with it (a shared queue would stay locked by the dead writer).
 
-    main ──(EPOCH | TASK | STOP)──► task pipe ──► worker ──► result pipe ──(READY | RESULT)──► main
+    main ──(Epoch | TaskMsg | Stop)──► task pipe ──► worker ──► result pipe ──(Result)──► main
+
+(the messages, typed, are in ``_protocol``).
 
 Per task: seed python/numpy/torch from (epoch seed, task), fetch, collate, and send the
 result in one message together with the dataset's state for stateful streams ("state rides with
@@ -29,6 +31,17 @@ import torch
 
 from . import _transport
 from ._errors import RemoteTraceback
+from ._protocol import (
+    Booted,
+    Epoch,
+    InitError,
+    Ready,
+    Result,
+    Started,
+    Status,
+    StreamResume,
+    TaskMsg,
+)
 from ._schema import has_state, same_state
 from ._seeding import (
     SAMPLE,
@@ -40,29 +53,8 @@ from ._seeding import (
     seed_global_rngs,
 )
 
-# Main -> worker message tags.
-EPOCH = 0  # (EPOCH, gen, epoch, base_seed, resume, sample_seed)
-#   resume (streams): None, or (state | None, encoded: bool, state_at, count): load the state
-#   (taken after `state_at` fetches), then replay fetches state_at .. count-1 without sending.
-TASK_MSG = 1  # (TASK_MSG, gen, tid, payload) -- payload: indices (map) or fetch number k (stream)
-STOP = 2  # (STOP,)
-
-# Worker -> main message tags.
-READY = 10  # (READY, worker_id, pid, seeded): seeded -- worker_init_fn called torch.manual_seed
-INIT_ERROR = 11  # (INIT_ERROR, worker_id, WorkerError)
-BOOTED = 13  # (BOOTED, worker_id): the process runs our code; worker_init_fn comes next
-# (STARTED, tid): sent when the worker starts a task out of arrival order (a re-sent task
-# with a lower id overtaking ones that came before it), so a death is blamed on the task
-# actually running. Otherwise the main process knows: it is the earliest-sent task held.
-STARTED = 14
-RESULT = 12  # (RESULT, gen, tid, status, payload, state_delta, retries, drained)
-#   state_delta: None, or the stream state after this fetch (changed keys only, pickled)
-#   drained: the stream ran dry while this batch was filled (its state may already be rewound)
-
-# RESULT status values.
-OK = 0
-ERROR = 1  # payload is a WorkerError, re-raised in the main process
-END = 2  # the worker's stream is exhausted; payload None
+# The messages and statuses are in _protocol; these names stay importable from here.
+OK, ERROR, END = Status.OK, Status.ERROR, Status.END
 
 # Stream state snapshots may cost at most this fraction of the fetch time: a state that is
 # expensive to take (a 100k-entry shuffle buffer) then rides with every k-th result only, and a
@@ -250,8 +242,8 @@ class StreamFetcher:
     def stateful(self) -> bool:
         return self.holder is not None
 
-    def start(self, resume: Any, seed_for: Any, run: Any = None) -> None:
-        """Begin the epoch's stream; restore it from ``resume`` (see EPOCH).
+    def start(self, resume: StreamResume | None, seed_for: Any, run: Any = None) -> None:
+        """Begin the epoch's stream; restore it from ``resume`` (a ``StreamResume``).
 
         ``run(fn, seed)`` seeds and calls ``fn`` under the fetch's retry policy: a replayed fetch
         is retried exactly like the original was, so a transient error while replaying cannot
@@ -541,7 +533,7 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     wid = spec.worker_id
     where = f"in DataLoader worker {wid} (pid {os.getpid()})"
     # From here on, a start that takes too long is worker_init_fn's doing (task_timeout).
-    if not _send(result_conn, (BOOTED, wid)):
+    if not _send(result_conn, Booted(wid)):
         return
     seeded = False
     try:
@@ -554,9 +546,9 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
             seeded = torch.initial_seed() != before
     except Exception:
         err = WorkerError(f"in worker_init_fn of DataLoader worker {wid} (pid {os.getpid()})")
-        _send(result_conn, (INIT_ERROR, wid, err))
+        _send(result_conn, InitError(wid, err))
         return
-    if not _send(result_conn, (READY, wid, os.getpid(), seeded)):
+    if not _send(result_conn, Ready(wid, os.getpid(), seeded)):
         return
     try:
         _loop(spec, task_conn, result_conn, parent, where)
@@ -577,7 +569,7 @@ def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where
 
 
 class _WorkerLoop:
-    """A worker's life after READY: take tasks lowest id first, fetch each under its seed, send
+    """A worker's life after Ready: take tasks lowest id first, fetch each under its seed, send
     each result (with a stream's state delta) as soon as it is ready.
 
     A batch is never kept on ``self``: it lives in ``_result``'s and ``run``'s locals until it
@@ -631,7 +623,7 @@ class _WorkerLoop:
         while self._receive():
             tid, arrival, payload = heapq.heappop(self.pending)
             overtakes = any(a < arrival for _, a, _ in self.pending)
-            if overtakes and not _send(self.result_conn, (STARTED, tid)):
+            if overtakes and not _send(self.result_conn, Started(tid)):
                 return
             msg = self._result(tid, payload)
             if not self._send_result(tid, msg):
@@ -649,23 +641,22 @@ class _WorkerLoop:
                     return False  # orphaned: our main process is gone
                 continue
             msg = conn.recv()
-            tag = msg[0]
-            if tag == TASK_MSG:
-                if msg[1] == self.gen:
-                    heapq.heappush(self.pending, (msg[2], self.arrivals, msg[3]))
+            if isinstance(msg, TaskMsg):
+                if msg.gen == self.gen:
+                    heapq.heappush(self.pending, (msg.tid, self.arrivals, msg.payload))
                     self.arrivals += 1
-            elif tag == EPOCH:
+            elif isinstance(msg, Epoch):
                 self.pending.clear()
-                _, self.gen, self.epoch, self.base, resume, sample_seed = msg
-                if not self.spec.iterable:
-                    self.fetcher.sample_seed = sample_seed
-                if self.spec.iterable and not self._start_stream(resume):
+                self.gen, self.epoch, self.base = msg.gen, msg.epoch, msg.base_seed
+                if isinstance(self.fetcher, MapFetcher):
+                    self.fetcher.sample_seed = msg.sample_seed
+                elif not self._start_stream(msg.resume):
                     return False
-            elif tag == STOP:
+            else:  # Stop
                 return False
         return True
 
-    def _start_stream(self, resume: Any) -> bool:
+    def _start_stream(self, resume: StreamResume | None) -> bool:
         base, wid = self.base, self.wid
 
         def seed_for(k: int) -> int:
@@ -679,13 +670,13 @@ class _WorkerLoop:
             self.fetcher.start(resume, seed_for, run_start)
         except Exception:
             doing = "while restoring the stream state" if resume else "in iter() of the dataset"
-            _send(self.result_conn, (INIT_ERROR, wid, WorkerError(f"{doing} {self.where}")))
+            _send(self.result_conn, InitError(wid, WorkerError(f"{doing} {self.where}")))
             return False
         return True
 
     # ---- one task ------------------------------------------------------------------------
-    def _result(self, tid: int, payload: Any) -> tuple[Any, ...]:
-        """Fetch one task under its seed: the RESULT message (OK, END or ERROR)."""
+    def _result(self, tid: int, payload: Any) -> Result:
+        """Fetch one task under its seed: its ``Result`` (OK, END or ERROR)."""
         spec, fetcher, shm = self.spec, self.fetcher, self.shm
         if spec.iterable:
             self.seed = derive_seed(STREAM, self.base, self.wid, payload)
@@ -702,7 +693,7 @@ class _WorkerLoop:
         try:
             if not spec.iterable:
                 data, retries = self.run_task(self._fetch, payload)
-                return (RESULT, gen, tid, OK, data, None, retries, False)
+                return Result(gen, tid, OK, data, None, retries, False)
             t0 = time.perf_counter()
             try:
                 data, retries = self.run_task(self._fetch, payload)
@@ -713,13 +704,13 @@ class _WorkerLoop:
                 fetcher.fetch_failed()
                 raise
             delta = fetcher.after_fetch(time.perf_counter() - t0)
-            return (RESULT, gen, tid, OK, data, delta, retries, fetcher.ended)
+            return Result(gen, tid, OK, data, delta, retries, fetcher.ended)
         except StreamEnd:
-            return (RESULT, gen, tid, END, None, None, 0, True)
+            return Result(gen, tid, END, None, None, 0, True)
         except Exception:
             what = f"samples {payload}" if not spec.iterable else f"stream batch {payload}"
             err = WorkerError(f"{self.where} while loading {what}")
-            return (RESULT, gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
+            return Result(gen, tid, ERROR, err, None, 0, spec.iterable and fetcher.ended)
 
     def _fetch(self, payload: Any) -> Any:
         """One fetch; a collate that finds /dev/shm full is redone out of it, same values."""
@@ -740,7 +731,7 @@ class _WorkerLoop:
             seed_global_rngs(self.seed)  # a task is seeded: read again from its seed
         return fetcher.fetch(payload)
 
-    def _send_result(self, tid: int, msg: tuple[Any, ...]) -> bool:
+    def _send_result(self, tid: int, msg: Result) -> bool:
         """Send; False when the main process is gone. ``msg`` is the batch's only owner here:
         sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
         a reference or form a cycle with it (see _transport)."""
@@ -751,5 +742,5 @@ class _WorkerLoop:
         except Exception:
             # The batch could not be pickled (nothing was sent): say so instead of dying.
             err = WorkerError(f"{self.where}: the batch of task {tid} could not be sent (pickling)")
-            return _send(self.result_conn, (RESULT, self.gen, tid, ERROR, err, None, 0, False))
+            return _send(self.result_conn, Result(self.gen, tid, ERROR, err, None, 0, False))
         return True

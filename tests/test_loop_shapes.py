@@ -107,7 +107,7 @@ WORKERS = {
 def _factory(dataset: str, workers: str) -> Callable[[], DataLoader[Any]]:
     def make() -> DataLoader[Any]:
         return DataLoader(
-            generator=torch.Generator().manual_seed(2024),
+            generator=torch.Generator().manual_seed(2020),
             **_dataset_kwargs(dataset),
             **WORKERS[workers],
         )
@@ -501,7 +501,7 @@ def _raising_factory(workers: str, state_dir: Any) -> Callable[[], DataLoader[An
             ds,
             batch_size=2,
             shuffle=True,
-            generator=torch.Generator().manual_seed(2024),
+            generator=torch.Generator().manual_seed(2020),
             **WORKERS[workers],
         )
 
@@ -537,7 +537,9 @@ def test_dataset_exception_is_consumed_like_torch(workers: str, tmp_path: Any) -
             raise AssertionError("the dataset's error was not raised")
         sd = loader.state_dict()
         assert got == expected[0][: bad_at[0]]
-        assert _position(sd) == (0, bad_at[0] + 1), (
+        # Past the failed batch -- the next epoch's start if that batch was the epoch's last.
+        past = (0, bad_at[0] + 1) if bad_at[0] + 1 < len(expected[0]) else (1, 0)
+        assert _position(sd) == past, (
             f"after the dataset error at batch {bad_at[0]}: state at {_position(sd)}"
         )
         assert _collect(loader) == expected[1], "the same loader's next iter()"
@@ -546,8 +548,9 @@ def test_dataset_exception_is_consumed_like_torch(workers: str, tmp_path: Any) -
     resumed = make()
     try:
         resumed.load_state_dict(roundtrip_state(sd, "torch"))
-        rest = _collect(resumed)
-        assert rest == expected[0][bad_at[0] + 1 :], "the resumed rest of epoch 0"
+        if past[0] == 0:
+            rest = _collect(resumed)
+            assert rest == expected[0][bad_at[0] + 1 :], "the resumed rest of epoch 0"
         assert _collect(resumed) == expected[1], "the resumed loader's epoch 1"
     finally:
         resumed.close()

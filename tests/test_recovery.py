@@ -11,10 +11,13 @@ import pytest
 
 from resumable_loader import WorkerCrashError
 from resumable_loader._dispatch import Dispatcher
+from resumable_loader._protocol import Epoch, Status, TaskMsg
 from resumable_loader._recovery import POISON, SKIPPED, Recovery, torch_words
 from resumable_loader._stats import Counters
 from resumable_loader._supervisor import DEAD, READY_STATE, STARTING, DeathReport, WorkerSlot
-from resumable_loader._worker import END, EPOCH, TASK_MSG, WorkerError
+from resumable_loader._worker import WorkerError
+
+END = Status.END
 
 
 class FakeSupervisor:
@@ -86,11 +89,11 @@ def test_a_death_blames_the_running_task_respawns_and_resends_the_rest() -> None
     assert disp.tasks[2].failures == []
     assert sup.respawned == [0]
     # The replacement is told the epoch; the map tasks wait for any ready worker.
-    assert [m[0] for w, m in sup.sent if w == 0] == [EPOCH]
+    assert [type(m) for w, m in sup.sent if w == 0] == [Epoch]
     assert sorted(disp.resend) == [0, 2]
     disp.fill()
-    resent = [m[2] for w, m in sup.sent if m[0] == TASK_MSG]
-    assert resent == [0, 2] and all(w == 1 for w, m in sup.sent if m[0] == TASK_MSG)
+    resent = [m.tid for w, m in sup.sent if isinstance(m, TaskMsg)]
+    assert resent == [0, 2] and all(w == 1 for w, m in sup.sent if isinstance(m, TaskMsg))
     assert counters.respawns_by_cause["sigkill"] == 1
     assert counters.resent_tasks == 2
     disp.check_invariants(lambda tid: False)
@@ -206,7 +209,7 @@ def test_an_exhausted_stream_worker_is_replaced_but_its_tasks_end() -> None:
         (1, (END, None, (1, None, True))),
         (3, (END, None, (1, None, True))),
     ]
-    assert [m[0] for _, m in sup.sent] == [EPOCH]  # told the epoch, but nothing re-sent
+    assert [type(m) for _, m in sup.sent] == [Epoch]  # told the epoch, but nothing re-sent
     assert not disp.tasks.keys() & {1, 3}
 
 

@@ -1,0 +1,128 @@
+"""What the main process and a worker say to each other, and what a result's status means.
+
+Every message is a named tuple of this module (picklable by reference: workers under spawn and
+forkserver import it too), sent over the worker's two pipes:
+
+    main ──(Epoch | TaskMsg | Stop)──► task pipe ──► worker
+    worker ──► result socket ──(Booted | Ready | InitError | Started | Result)──► main
+
+A worker's life in messages: ``Booted`` when it runs our code, then ``Ready`` once
+``worker_init_fn`` returned (or ``InitError`` if it raised). Per epoch the main process sends
+``Epoch`` (which epoch, its seeds, and for a stream where its shard resumes), then ``TaskMsg``
+after ``TaskMsg``; the worker answers each with one ``Result``, and sends ``Started`` when it
+begins a task out of arrival order (a re-sent task overtaking queued ones). ``Stop`` ends it.
+
+``Status`` is the one list of what a result (or a delivery decided by recovery) is.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+
+class Status(enum.IntEnum):
+    """What a result, or an item the iterator delivers, holds."""
+
+    OK = 0  # the batch
+    ERROR = 1  # a WorkerError: the user's exception, re-raised in the main process
+    END = 2  # the worker's stream is exhausted (no batch)
+    POISON = 3  # recovery: the WorkerCrashError to raise at this task's position
+    SKIPPED = 4  # recovery: (tid, indices, message) of a poison task skipped (on_poison="skip")
+
+
+# ---- main -> worker ----------------------------------------------------------------------------
+class StreamResume(NamedTuple):
+    """Where a stream worker's shard resumes: load ``state`` (taken after ``state_at``
+    fetches; ``encoded`` if it is the main process's delta-encoded copy), then replay the
+    fetches ``state_at .. fetched - 1`` without sending them."""
+
+    state: Any
+    encoded: bool
+    state_at: int
+    fetched: int
+
+
+class Epoch(NamedTuple):
+    """Serve epoch ``epoch`` (generation ``gen`` stamps its messages) under ``base_seed``;
+    ``sample_seed`` for ``seed_per_sample``, else None; ``resume``: a stream's position."""
+
+    gen: int
+    epoch: int
+    base_seed: int
+    resume: StreamResume | None
+    sample_seed: int | None
+
+
+class TaskMsg(NamedTuple):
+    """Fetch task ``tid``: ``payload`` is its sample indices (map) or fetch number (stream)."""
+
+    gen: int
+    tid: int
+    payload: Any
+
+
+class Stop(NamedTuple):
+    """Exit now."""
+
+
+# ---- worker -> main ----------------------------------------------------------------------------
+class Booted(NamedTuple):
+    """The process runs our code; ``worker_init_fn`` comes next."""
+
+    worker_id: int
+
+
+class Ready(NamedTuple):
+    """Started; ``seeded``: ``worker_init_fn`` called ``torch.manual_seed``."""
+
+    worker_id: int
+    pid: int
+    seeded: bool
+
+
+class InitError(NamedTuple):
+    """Starting failed (``worker_init_fn``, or a stream's ``iter()``/state restore raised)."""
+
+    worker_id: int
+    error: Any  # a WorkerError
+
+
+class Started(NamedTuple):
+    """The worker began task ``tid`` out of arrival order."""
+
+    tid: int
+
+
+class Result(NamedTuple):
+    """Task ``tid`` of generation ``gen``: ``payload`` by ``status``; streams also send the
+    dataset's state delta (or None), and ``drained`` once their shard is exhausted."""
+
+    gen: int
+    tid: int
+    status: Status
+    payload: Any
+    state_delta: Any
+    retries: int
+    drained: bool
+
+
+ToWorker = Epoch | TaskMsg | Stop
+FromWorker = Booted | Ready | InitError | Started | Result
+
+
+# ---- inside the main process -------------------------------------------------------------------
+class StreamNote(NamedTuple):
+    """The stream part of a delivery: which worker's shard it advances, and how."""
+
+    worker: int
+    delta: Any
+    drained: bool
+
+
+class Delivery(NamedTuple):
+    """An item on its way to the user, through the pin thread and the reorder buffer."""
+
+    status: Status
+    payload: Any
+    stream: StreamNote | None
