@@ -84,6 +84,7 @@ from ._worker import (
     decode_state,
     make_retrier,
     merge_state,
+    seed_datapipe,
 )
 
 T_co = TypeVar("T_co", covariant=True)
@@ -254,9 +255,11 @@ class _BaseIter:
                 "samples have been fetched."
             )
             if self._loader.num_workers > 0:
+                # Its first words are torch's (scripts and torch's tests match on them).
                 msg += (
-                    " With workers, each one iterates its own copy of the dataset: shard it "
-                    "with torch.utils.data.get_worker_info() so they do not all yield it all."
+                    " For multiprocessing data-loading, this usually means each worker iterates "
+                    "its own copy of the dataset: shard it with "
+                    "torch.utils.data.get_worker_info() so they do not all yield it all."
                 )
             warnings.warn(msg, UserWarning, stacklevel=3)
         return batch
@@ -386,6 +389,7 @@ class _SingleProcessIter(_BaseIter):
                 return run(fn)[0]
 
             with GlobalRngGuard():
+                seed_datapipe(loader.dataset, base)
                 fetcher.start(resume, lambda k: derive_seed(STREAM, base, 0, k), replay)
             p.k = wp.delivered
             p.exhausted = wp.exhausted
@@ -963,7 +967,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                     f"{stream_state_every!r} disagree: they are two names for one setting; "
                     "pass one of them"
                 )
-            stream_state_every = snapshot_every_n_steps
+            # torchdata's 0 means "no periodic snapshots": our adaptive default, which snapshots
+            # only as often as it is cheap and replays exactly in between.
+            stream_state_every = snapshot_every_n_steps or None
         if stream_state_every is not None and (
             type(stream_state_every) is not int or stream_state_every < 1
         ):

@@ -158,6 +158,33 @@ class MapFetcher:
         return _collate(self.collate, self.dataset[indices], self.shared)
 
 
+def shard_datapipe(dataset: Any, worker_id: int, num_workers: int) -> None:
+    """A datapipe's ``sharding_filter`` keeps worker ``worker_id``'s share (of this rank's),
+    as torch's workers apply it before ``worker_init_fn``."""
+    from torch.utils.data import IterDataPipe
+
+    if not isinstance(dataset, IterDataPipe):
+        return
+    world, rank = 1, 0
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    torch.utils.data.graph_settings.apply_sharding(
+        dataset, num_workers * world, worker_id * world + rank
+    )
+
+
+def seed_datapipe(dataset: Any, seed: int) -> None:
+    """A datapipe's shufflers draw from one seed shared by all workers (derived from the
+    epoch's), as in torch: sharding then splits one order, not one order per worker."""
+    from torch.utils.data import IterDataPipe
+
+    if isinstance(dataset, IterDataPipe):
+        rng = torch.Generator()
+        rng.manual_seed(derive_seed(STREAM, seed, -1, -1))
+        torch.utils.data.graph_settings.apply_random_seed(dataset, rng)
+
+
 def _collate(collate: Any, data: Any, shared: bool) -> Any:
     """``collate(data)``; with ``shared=False``, out of /dev/shm.
 
@@ -269,10 +296,17 @@ class StreamFetcher:
         # the epoch's stream seed, so a resumed or respawned worker draws the same.
         seed_global_rngs(seed_for(ITER_START))
         if has_state(ds):
+            loaded = False
             if state is not None:
-                ds.load_state_dict(state)
+                try:
+                    ds.load_state_dict(state)
+                    loaded = True
+                except Exception:
+                    # A dataset that builds what load_state_dict needs in __iter__ (written for
+                    # torchdata's order): load it after iter(), below.
+                    pass
             self.it = iter(ds)
-            if state is not None and not same_state(ds.state_dict(), state):
+            if state is not None and not (loaded and same_state(ds.state_dict(), state)):
                 # iter() reset the position just loaded: the dataset was written for
                 # torchdata's order (iter() first, then load_state_dict). Load it again into the
                 # iterator that now exists. A dataset whose iter() starts from the loaded state
@@ -539,6 +573,7 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     try:
         seed_global_rngs(spec.worker_seed)
         _set_worker_info(spec)
+        shard_datapipe(spec.dataset, wid, spec.num_workers)
         if spec.init_fn is not None:
             before = torch.initial_seed()
             spec.init_fn(wid)
@@ -667,6 +702,7 @@ class _WorkerLoop:
             return self.run_task(fn)[0]
 
         try:
+            seed_datapipe(self.spec.dataset, base)
             self.fetcher.start(resume, seed_for, run_start)
         except Exception:
             doing = "while restoring the stream state" if resume else "in iter() of the dataset"

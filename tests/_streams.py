@@ -11,6 +11,7 @@
                                   order: ``iter()``, then ``load_state_dict``).
 ``StartInIterShard``              ``__iter__`` starts from a position loaded before it (the
                                   other order).
+``StateMadeInIterShard``          ``load_state_dict`` fails before ``__iter__`` made the cursor.
 ``StatefulSampler(n, seed)``      a user sampler with its own ``state_dict`` (epoch + position).
 ``NoStateSampler(n)``             a custom sampler without state (fast-forwarded on resume).
 ``PosState``                      mixin: ``state_dict``/``load_state_dict`` of a cursor ``pos``.
@@ -140,6 +141,32 @@ class StartInIterShard(IterableDataset):
 
     def load_state_dict(self, sd: dict) -> None:
         self.pending = sd["pos"]
+
+
+class StateMadeInIterShard(IterableDataset):
+    """Its cursor is made by ``__iter__``: ``load_state_dict`` before the first ``iter()``
+    raises (a dataset written strictly for torchdata's order)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        self.values = _shard(self.n)
+        self.cursor = {"pos": 0}
+        return self
+
+    def __next__(self):
+        pos = self.cursor["pos"]
+        if pos >= len(self.values):
+            raise StopIteration
+        self.cursor["pos"] = pos + 1
+        return _item(self.values[pos])
+
+    def state_dict(self) -> dict:
+        return dict(self.cursor)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.cursor["pos"] = sd["pos"]  # AttributeError before __iter__
 
 
 class _ShardIter:

@@ -800,7 +800,14 @@ def test_a_stream_longer_than_its_len_warns_like_torch(workers: int) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for n, _ in enumerate(loader, start=1):
-                at += [n for w in caught if "Length of IterableDataset" in str(w.message)]
+                said = [
+                    str(w.message) for w in caught if "Length of IterableDataset" in str(w.message)
+                ]
+                # torch's own test matches this much of the text with workers.
+                assert all(
+                    not workers or "For multiprocessing data-loading, this" in m for m in said
+                )
+                at += [n for _ in said]
                 caught.clear()
         close = getattr(loader, "close", None)
         if close is not None:
@@ -1045,3 +1052,25 @@ def test_workers_gone_after_interpreter_exit(how: str) -> None:
     # Orphaned workers are reparented; a zombie waiting on a non-reaping init has exited.
     left = wait_gone(workers, zombie_is_gone=True)
     assert not left, f"worker processes {sorted(left)} outlived their interpreter"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's datapipes are deprecated
+@pytest.mark.parametrize("workers", [0, 2], ids=["w0", "w2"])
+def test_datapipe_shuffle_and_sharding_like_torch(workers: int) -> None:
+    # torch shards a datapipe's sharding_filter across workers and seeds its shufflers with one
+    # seed shared by them: each sample once per epoch, and the same epoch after reseeding.
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def epochs(cls) -> list[list[int]]:
+        dp = IterableWrapper(range(20)).shuffle().sharding_filter()
+        kw = {"multiprocessing_context": "fork"} if workers else {}
+        loader = cls(dp, batch_size=None, shuffle=True, num_workers=workers, **kw)
+        out = []
+        for seed in (SEED, SEED, SEED + 1):
+            torch.manual_seed(seed)
+            out.append([int(x) for x in loader])
+        return out
+
+    for got in (epochs(TorchDataLoader), epochs(Ours)):
+        assert all(sorted(e) == list(range(20)) for e in got)
+        assert got[0] == got[1] != got[2]

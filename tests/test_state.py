@@ -32,6 +32,7 @@ from _streams import (
     StartInIterShard,
     StatefulSampler,
     StatefulShard,
+    StateMadeInIterShard,
     read_values,
 )
 from torch.utils.data import IterableDataset
@@ -368,6 +369,7 @@ STREAMS = {
     # or load_state_dict then iter().
     "reset-in-iter": ResetInIterShard,
     "start-in-iter": StartInIterShard,
+    "state-made-in-iter": StateMadeInIterShard,
 }
 STREAM_CONFIGS = {
     "w0-b3": dict(num_workers=0, batch_size=3),

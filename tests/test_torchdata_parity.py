@@ -20,8 +20,12 @@ def test_snapshot_every_n_steps_is_torchdatas_name_for_stream_state_every() -> N
     assert same.stream_state_every == 2
     with pytest.raises(ValueError, match="two names for one setting"):
         DataLoader(StatefulShard(12), snapshot_every_n_steps=2, stream_state_every=5)
+    # torchdata's 0 (no periodic snapshot) is our adaptive default; ours has no 0.
+    assert DataLoader(StatefulShard(12), snapshot_every_n_steps=0).stream_state_every is None
     with pytest.raises(ValueError, match="stream_state_every must be an int >= 1"):
-        DataLoader(StatefulShard(12), snapshot_every_n_steps=0)
+        DataLoader(StatefulShard(12), stream_state_every=0)
+    with pytest.raises(ValueError, match="stream_state_every must be an int >= 1"):
+        DataLoader(StatefulShard(12), snapshot_every_n_steps=-1)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
