@@ -1,0 +1,194 @@
+"""Charts drawn from the benchmarks' last-line JSON summaries (matplotlib, Agg backend).
+
+Each ``draw_*`` function returns False when matplotlib is not importable, so callers
+(``run_all.py``, ``bench_timeline.py --png``) can go on without it. Images are kept small
+(dpi 100) because they are committed under ``results/``.
+
+Redraw from saved results:  python3 benchmarks/plots.py results/FILE_timeline.txt OUT.png
+(the kind of chart is taken from the file's JSON ``bench`` field).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+DPI = 100
+# one colour per loader, the same in every chart
+COLOURS = {"ours": "tab:blue", "torch": "tab:orange", "torchdata": "tab:green", "limit": "black"}
+
+
+def _plt() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _load_line(s: dict[str, Any]) -> str:
+    share = s.get("foreign_cpu_share")
+    if share is None:
+        return ""
+    return f"other processes used {share:.0%} of the CPU during the run"
+
+
+def draw_timeline(path: str, s: dict[str, Any]) -> bool:
+    """Batches delivered vs time, one line per loader; kills as ticks, errors as a red X."""
+    plt = _plt()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    stopped = 0
+    for r in s["loaders"]:
+        base = r["name"].split(",")[0]
+        ref = "no kills" in r["name"]
+        colour = COLOURS.get(base, "grey")
+        ts = [0.0, *r["times"]]
+        ax.plot(ts, range(len(ts)), color=colour, linewidth=1.0 if ref else 2.0,
+                linestyle=":" if ref else "-", label=r["name"], zorder=2 if ref else 3,
+                drawstyle="steps-post")  # fmt: skip
+        for k in r.get("kills", []):
+            ax.plot([k["t"], k["t"]], [k["batch"] - 12, k["batch"] + 12], color=colour,
+                    linewidth=1.2, zorder=4)  # fmt: skip
+        if r.get("error"):
+            ax.plot([r["t_error"]], [r["batches"]], marker="x", color="red", markersize=11,
+                    markeredgewidth=2.5, zorder=5)  # fmt: skip
+            kind = r["error"].split(":")[0]
+            ax.annotate(f"{base} stops: {kind}", (r["t_error"], r["batches"]),
+                        textcoords="offset points", xytext=(12, -14 + 14 * stopped),
+                        fontsize=8, color="red")  # fmt: skip
+            stopped += 1
+    # legend entries for the markers (drawn per loader above, in the loader's colour)
+    ax.plot([], [], marker="|", color="grey", linestyle="none", markersize=12,
+            markeredgewidth=1.5, label="a worker SIGKILLed")  # fmt: skip
+    ax.plot([], [], marker="x", color="red", linestyle="none", markeredgewidth=2.5,
+            label="stopped with an error")  # fmt: skip
+    ax.set_xlabel("seconds since the loader was constructed")
+    ax.set_ylabel("batches delivered")
+    ax.set_ylim(0, s["n_batches"] * 1.04)
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.set_title(
+        f"A worker SIGKILLed every {s['kill_every']} batches ({s['workers']} workers, "
+        f"{s['start_method']}, batch {s['batch_size']}, {s.get('cpus', '?')} cores)\n"
+        + _load_line(s),
+        fontsize=9,
+    )
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+def draw_workers(path: str, s: dict[str, Any]) -> bool:
+    """Steady epoch time vs num_workers per workload, each point labelled as a multiple of
+    the limit."""
+    plt = _plt()
+    if plt is None:
+        return False
+    names = list(s["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names) + 0.6, 3.8), squeeze=False)
+    for ax, w in zip(axes[0], names):
+        res = s["workloads"][w]
+        workers = [int(k) for k in res]
+        for side in ("limit", "ours", "torch", "torchdata"):
+            if side not in res[str(workers[0])]["steady_s"]:
+                continue
+            ys = [res[str(k)]["steady_s"][side] for k in workers]
+            ax.plot(workers, ys, marker="o", color=COLOURS[side],
+                    linestyle="--" if side == "limit" else "-",
+                    label="limit (no loader)" if side == "limit" else side)  # fmt: skip
+            if side != "limit":
+                for k, y in zip(workers, ys):
+                    m = res[str(k)]["x_limit"][side]
+                    ax.annotate(f"{m:.1f}x", (k, y), textcoords="offset points",
+                                xytext=(6, -3), fontsize=7, color=COLOURS[side])  # fmt: skip
+        ax.set_xticks(workers)
+        ax.set_xlim(min(workers) - 0.3, max(workers) + 0.5)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("num_workers")
+        ax.set_title(f"{w}: {res[str(workers[0])]['label']}", fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("steady epoch time (s)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(
+        f"Epoch time vs workers on a {s['cores']}-core machine (labels: x the limit)\n"
+        + _load_line(s),
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+def draw_throughput(path: str, s: dict[str, Any]) -> bool:
+    """A bar chart of each throughput workload as a multiple of the limit."""
+    plt = _plt()
+    if plt is None:
+        return False
+    names = [w for w, v in s.items() if isinstance(v, dict) and "ratios" in v]
+    sides = [k for k in ("ours_limit", "torch_limit", "torchdata_limit")
+             if names and k in s[names[0]]["ratios"]]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 4))
+    width = 0.8 / max(1, len(sides))
+    for i, side in enumerate(sides):
+        med = [s[w]["ratios"][side]["median"] for w in names]
+        lo = [m - s[w]["ratios"][side]["min"] for m, w in zip(med, names)]
+        hi = [s[w]["ratios"][side]["max"] - m for m, w in zip(med, names)]
+        xs = [j + i * width for j in range(len(names))]
+        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=side.split("_")[0],
+               color=COLOURS.get(side.split("_")[0]))  # fmt: skip
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(names))])
+    ax.set_xticklabels(names)
+    ax.set_ylabel("steady epoch / the machine's limit")
+    ax.set_title("Epoch time as a multiple of the limit (median, min-max over rounds)\n"
+                 + _load_line(s), fontsize=9)  # fmt: skip
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
+DRAW = {"timeline": draw_timeline, "workers": draw_workers, "throughput": draw_throughput}
+
+
+def summary_from_output(text: str) -> dict[str, Any] | None:
+    """The last-line JSON summary of a script's output (None when there is none)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{") and '"bench"' in line:
+            try:
+                return json.loads(line)  # type: ignore[no-any-return]
+            except ValueError:
+                return None
+    return None
+
+
+def main() -> int:
+    if len(sys.argv) != 3:
+        print(__doc__.strip().splitlines()[-2].strip(), file=sys.stderr)
+        return 2
+    with open(sys.argv[1]) as f:
+        s = summary_from_output(f.read())
+    if s is None or s.get("bench") not in DRAW:
+        print(f"no summary of a drawable bench ({', '.join(DRAW)}) in {sys.argv[1]}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if not DRAW[s["bench"]](sys.argv[2], s):
+        print("matplotlib is not importable", file=sys.stderr)
+        return 1
+    print(f"drew {sys.argv[2]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
