@@ -87,40 +87,35 @@ def draw_timeline(path: str, s: dict[str, Any]) -> bool:
 
 
 def draw_workers(path: str, s: dict[str, Any]) -> bool:
-    """Steady epoch time vs num_workers per workload, each point labelled as a multiple of
-    the limit."""
+    """Steady epoch time per workload and num_workers as grouped bars (limit, ours, torch,
+    torchdata); each loader's bar is labelled with its multiple of the limit."""
     plt = _plt()
     if plt is None:
         return False
-    names = list(s["workloads"])
-    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names) + 0.6, 3.8), squeeze=False)
-    for ax, w in zip(axes[0], names):
-        res = s["workloads"][w]
-        workers = [int(k) for k in res]
-        for side in ("limit", "ours", "torch", "torchdata"):
-            if side not in res[str(workers[0])]["steady_s"]:
-                continue
-            ys = [res[str(k)]["steady_s"][side] for k in workers]
-            ax.plot(workers, ys, marker="o", color=COLOURS[side],
-                    linestyle="--" if side == "limit" else "-",
-                    label="limit (no loader)" if side == "limit" else side)  # fmt: skip
-            if side != "limit":
-                for k, y in zip(workers, ys):
-                    m = res[str(k)]["x_limit"][side]
-                    ax.annotate(f"{m:.1f}x", (k, y), textcoords="offset points",
-                                xytext=(6, -3), fontsize=7, color=COLOURS[side])  # fmt: skip
-        ax.set_xticks(workers)
-        ax.set_xlim(min(workers) - 0.3, max(workers) + 0.5)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("num_workers")
-        ax.set_title(f"{w}: {res[str(workers[0])]['label']}", fontsize=8)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("steady epoch time (s)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(
-        f"Epoch time vs workers on a {s['cores']}-core machine (labels: x the limit)\n"
-        + _load_line(s),
-        fontsize=9,
+    groups = [(w, k, res) for w, per in s["workloads"].items() for k, res in per.items()]
+    sides = [x for x in ("limit", "ours", "torch", "torchdata")
+             if groups and x in groups[0][2]["steady_s"]]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(1.7 * len(groups) + 1.6, 4.0))
+    width = 0.8 / len(sides)
+    for i, side in enumerate(sides):
+        xs = [j + (i - (len(sides) - 1) / 2) * width for j in range(len(groups))]
+        ys = [res["steady_s"][side] for _, _, res in groups]
+        bars = ax.bar(xs, ys, width, color=COLOURS[side], label=(
+            "limit (no loader)" if side == "limit" else side),
+            alpha=0.35 if side == "limit" else 0.9)  # fmt: skip
+        if side != "limit":
+            ax.bar_label(bars, [f"{res['x_limit'][side]:.1f}x" for _, _, res in groups],
+                         fontsize=7, padding=1)  # fmt: skip
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{w}\n{k} worker{'s' if k != '1' else ''}" for w, k, _ in groups])
+    ax.set_ylabel("steady epoch time (s)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    label = "; ".join(f"{w}: {per[next(iter(per))]['label']}" for w, per in s["workloads"].items())
+    ax.set_title(
+        f"Epoch time vs num_workers, {s['cores']}-core machine (2 workers = every core); "
+        f"bar labels: x the limit\n{label}\n" + _load_line(s),
+        fontsize=8,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
