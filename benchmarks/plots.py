@@ -43,7 +43,7 @@ def draw_timeline(path: str, s: dict[str, Any]) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    stopped = 0
+    stopped = []
     for r in s["loaders"]:
         base = r["name"].split(",")[0]
         ref = "no kills" in r["name"]
@@ -58,11 +58,14 @@ def draw_timeline(path: str, s: dict[str, Any]) -> bool:
         if r.get("error"):
             ax.plot([r["t_error"]], [r["batches"]], marker="x", color="red", markersize=11,
                     markeredgewidth=2.5, zorder=5)  # fmt: skip
-            kind = r["error"].split(":")[0]
-            ax.annotate(f"{base} stops: {kind}", (r["t_error"], r["batches"]),
-                        textcoords="offset points", xytext=(12, -14 + 14 * stopped),
-                        fontsize=8, color="red")  # fmt: skip
-            stopped += 1
+            stopped.append(r)
+    if stopped:
+        # one label for every loader that stopped, right of the rightmost X (they are close)
+        text = "\n".join(f"{r['name']}: {r['error'].split(':')[0]} after batch {r['batches']}"
+                         for r in stopped)  # fmt: skip
+        anchor = max(stopped, key=lambda r: r["t_error"])
+        ax.annotate(text, (anchor["t_error"], anchor["batches"]), textcoords="offset points",
+                    xytext=(14, -10), fontsize=8, color="red", va="center")  # fmt: skip
     # legend entries for the markers (drawn per loader above, in the loader's colour)
     ax.plot([], [], marker="|", color="grey", linestyle="none", markersize=12,
             markeredgewidth=1.5, label="a worker SIGKILLed")  # fmt: skip
