@@ -13,16 +13,19 @@ SIGKILLs one worker (worker 0, then 1, then 0, ...). Every batch's arrival time 
   (pid N) is killed by signal``, and the run records where they stopped.
 - ours and torch's without kills, for reference.
 
-Times are from the loader's constructor (worker start-up included). The figures are printed;
-the full series is in the last-line JSON, from which ``plots.py`` draws ``timeline.png``
-(``--png PATH`` draws it right away).
+Each loader runs 3 times (quick: once), the order rotated every round; the run with the median
+last-batch time is shown, and the cost of a kill to ours is the median over rounds of
+(kills run - no-kills run) / kills. Times are from the loader's constructor (worker start-up
+included). The figures are printed; the full series is in the last-line JSON, from which
+``plots.py`` draws ``timeline.png`` (``--png PATH`` draws it right away).
 
 Run: python3 benchmarks/bench_timeline.py [--quick] [--batches N] [--kill-every K]
-     [--start-method fork|spawn|forkserver] [--png PATH]
+     [--repeats N] [--start-method fork|spawn|forkserver] [--png PATH]
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -32,6 +35,7 @@ from typing import Any
 
 import _common as C
 import torch
+from bench_throughput import stateful_loader
 from torch.utils.data import Dataset
 
 ITEM_WORK_S = 0.2e-3
@@ -147,9 +151,7 @@ def run(
     """One epoch; with ``kill_every``, a Killer thread SIGKILLs a worker every that many
     batches. Returns the arrival series and what happened."""
     t0 = time.perf_counter()
-    loader = loader_cls(
-        ds, batch_size=BATCH, num_workers=WORKERS, multiprocessing_context=method
-    )
+    loader = loader_cls(ds, batch_size=BATCH, num_workers=WORKERS, multiprocessing_context=method)
     killer = Killer(loader, find, kill_every, t0, -(-len(ds) // BATCH)) if kill_every else None
     times: list[float] = []
     indices: list[int] = []
@@ -183,7 +185,7 @@ def run(
         before = [t for t in times if t <= k["t"]]
         if after and before:
             gaps_after_kill.append(after[0] - before[-1])
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     return {
         "name": name,
         "kill_every": kill_every,
@@ -202,20 +204,41 @@ def run(
     }
 
 
+def print_runs(runs: list[dict[str, Any]]) -> None:
+    """The table of the runs shown: batches, timing, kills and how each run ended."""
+    rows = []
+    for r in runs:
+        if r["error"]:
+            outcome = f"stopped at batch {r['batches']}, {r['t_error']:.2f} s: {r['error'][:60]}"
+        else:
+            outcome = "completed"
+        rows.append([
+            r["name"], r["batches"], r["end_s"], r["median_gap_ms"], len(r["kills"]),
+            r["max_gap_spanning_kill_ms"], r["respawns"] if r["respawns"] is not None else "-",
+            outcome,
+        ])  # fmt: skip
+    print()
+    C.print_table(
+        ["loader", "batches", "last batch s", "median gap ms", "kills",
+         "max gap over a kill ms", "respawns", "outcome"],
+        rows, digits=2,
+    )  # fmt: skip
+
+
 def main() -> int:
     p = C.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--batches", type=int, default=None, help="epoch length (default 400, quick 200)")
+    p.add_argument(
+        "--batches", type=int, default=None, help="epoch length (default 400, quick 200)"
+    )
     p.add_argument("--kill-every", type=int, default=40, help="batches between kills (40)")
+    p.add_argument("--repeats", type=int, default=None, help="runs of each (default 3, quick 1)")
     p.add_argument("--png", default=None, help="draw the timeline to this PNG (needs matplotlib)")
     args = C.parse(p)
     n_batches = args.batches or (200 if args.quick else 400)
+    repeats = args.repeats or (1 if args.quick else 3)
     api = C.loader_api()
     ds = SpinDataset(n_batches * BATCH)
-    sdl = None
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader as sdl
-    except ImportError:
-        pass
+    sdl = stateful_loader()
     print(C.env_line(args.start_method))
     print(
         f"ours: {api.name}; {n_batches} batches of {BATCH} x 3x64x64 float32 items "
@@ -239,43 +262,40 @@ def main() -> int:
     for cls in (api.DataLoader, C.torch_loader()):
         run("warm-up", cls, SpinDataset(4 * BATCH), args.start_method, None, None)
 
-    runs = []
+    # Every loader runs `repeats` times, the order rotated each round so load drift spreads
+    # evenly; the run with the median end time is the one shown and drawn.
+    all_runs: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in plan}
     ok = True
-    for name, cls, every, find in plan:
-        r = run(name, cls, ds, args.start_method, every, find)
-        runs.append(r)
-        if name.startswith("ours") and not api.selftest:
-            if r["error"] or not r["indices_ok"] or r["batches"] != n_batches:
+    for rep in range(repeats):
+        k = rep % len(plan)
+        for name, cls, every, find in plan[k:] + plan[:k]:
+            r = run(name, cls, ds, args.start_method, every, find)
+            all_runs[name].append(r)
+            bad = r["error"] or not r["indices_ok"] or r["batches"] != n_batches
+            if name.startswith("ours") and not api.selftest and bad:
                 print(f"{name}: WRONG STREAM or error: {r['error']}", file=sys.stderr)
                 ok = False
-        print(f"  {name}: {r['batches']} batches in {r['end_s']:.2f} s", flush=True)
+            print(f"  {name} #{rep + 1}: {r['batches']} batches in {r['end_s']:.2f} s", flush=True)
+    runs = []
+    for rs in all_runs.values():
+        pick = sorted(rs, key=lambda r: r["end_s"])[(len(rs) - 1) // 2]
+        runs.append({**pick, "end_s_runs": [r["end_s"] for r in rs]})
 
-    rows = []
-    for r in runs:
-        if r["error"]:
-            outcome = f"stopped at batch {r['batches']}, {r['t_error']:.2f} s: {r['error'][:60]}"
-        else:
-            outcome = "completed"
-        rows.append([
-            r["name"], r["batches"], r["end_s"], r["median_gap_ms"], len(r["kills"]),
-            r["max_gap_spanning_kill_ms"], r["respawns"] if r["respawns"] is not None else "-",
-            outcome,
-        ])  # fmt: skip
-    print()
-    C.print_table(
-        ["loader", "batches", "last batch s", "median gap ms", "kills",
-         "max gap over a kill ms", "respawns", "outcome"],
-        rows, digits=2,
-    )  # fmt: skip
-    base = {r["name"]: r for r in runs}
-    if "ours" in base and "ours, no kills" in base and not base["ours"]["error"]:
-        extra = base["ours"]["end_s"] - base["ours, no kills"]["end_s"]
-        nk = max(1, len(base["ours"]["kills"]))
+    print_runs(runs)
+    per_kill = []
+    for with_k, without in zip(all_runs.get("ours", []), all_runs.get("ours, no kills", [])):
+        if not with_k["error"] and with_k["kills"]:
+            per_kill.append((with_k["end_s"] - without["end_s"]) / len(with_k["kills"]))
+    if per_kill:
         print(
-            f"ours with {len(base['ours']['kills'])} kills: {extra * 1e3:+.0f} ms over the run "
-            f"without kills ({extra / nk * 1e3:+.0f} ms per kill; one run each, so load noise "
-            "is in it)"
+            f"ours: each kill added {C.median(per_kill) * 1e3:+.0f} ms to the epoch (median over "
+            f"{len(per_kill)} rounds of (kills run - no-kills run) / kills; "
+            f"per round: {', '.join(f'{x * 1e3:+.0f}' for x in per_kill)} ms)"
         )
+    print(
+        f"{repeats} run(s) of each loader, order rotated; the table and chart show the run "
+        "with the median last-batch time"
+    )
     print("time: seconds since the loader's constructor; gap over a kill: last batch before "
           "the kill -> first batch after it")  # fmt: skip
     summary: dict[str, Any] = {
@@ -285,14 +305,21 @@ def main() -> int:
         "workers": WORKERS,
         "item_work_ms": ITEM_WORK_S * 1e3,
         "kill_every": args.kill_every,
+        "repeats": repeats,
+        "ours_ms_per_kill_median": C.median(per_kill) * 1e3 if per_kill else None,
         "torchdata": sdl is not None,
         "loaders": [
-            {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()
-             if k not in ("times", "kills")}
-            | {"times": [round(t, 4) for t in r["times"]],
-               "kills": [{**k, "t": round(k["t"], 4)} for k in r["kills"]]}
+            {
+                k: (round(v, 5) if isinstance(v, float) else v)
+                for k, v in r.items()
+                if k not in ("times", "kills")
+            }
+            | {
+                "times": [round(t, 4) for t in r["times"]],
+                "kills": [{**k, "t": round(k["t"], 4)} for k in r["kills"]],
+            }
             for r in runs
-        ],  # fmt: skip
+        ],
         "stream_ok": ok,
     }
     summary["foreign_cpu_share"] = C.foreign_cpu_share()

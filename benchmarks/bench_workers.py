@@ -31,6 +31,20 @@ LABELS = {
 }
 
 
+def _measurements(
+    name: str, ds: Any, cfg: dict[str, Any], api: C.LoaderAPI, sdl: type | None, sm: str
+) -> dict[str, Any]:
+    """The epoch functions alternated for one workload and worker count."""
+    fns = {
+        "limit": lambda: T.limit_epoch(ds, cfg, f"limit/{name}"),
+        "ours": lambda: T.one_epoch(api.DataLoader, ds, cfg, sm, f"ours/{name}"),
+        "torch": lambda: T.one_epoch(C.torch_loader(), ds, cfg, sm, f"torch/{name}"),
+    }
+    if sdl is not None:
+        fns["torchdata"] = lambda: T.one_epoch(sdl, ds, cfg, sm, f"torchdata/{name}")
+    return fns
+
+
 def main() -> int:
     p = C.base_parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="A/B rounds (default 3, quick 2)")
@@ -49,8 +63,13 @@ def main() -> int:
         print("torchdata is not installed: its StatefulDataLoader is not measured")
 
     rows = []
-    summary: dict[str, Any] = {"start_method": args.start_method, "rounds": rounds,
-                               "cores": cores, "torchdata": sdl is not None, "workloads": {}}  # fmt: skip
+    summary: dict[str, Any] = {
+        "start_method": args.start_method,
+        "rounds": rounds,
+        "cores": cores,
+        "torchdata": sdl is not None,
+        "workloads": {},
+    }
     failed = False
     sm = args.start_method
     for name in args.workloads.split(","):
@@ -59,15 +78,7 @@ def main() -> int:
         per: dict[str, Any] = {}
         for w in counts:
             cfg = {**T.WORKLOADS[name], "workers": w}
-            fns = {
-                "limit": lambda cfg=cfg: T.limit_epoch(ds, cfg, f"limit/{name}"),
-                "ours": lambda cfg=cfg: T.one_epoch(api.DataLoader, ds, cfg, sm, f"ours/{name}"),
-                "torch": lambda cfg=cfg: T.one_epoch(
-                    C.torch_loader(), ds, cfg, sm, f"torch/{name}"
-                ),
-            }
-            if sdl is not None:
-                fns["torchdata"] = lambda cfg=cfg: T.one_epoch(sdl, ds, cfg, sm, f"td/{name}")
+            fns = _measurements(name, ds, cfg, api, sdl, sm)
             t0 = time.perf_counter()
             try:
                 runs = C.alternate(fns, rounds, budget_s=None if args.quick else 25)

@@ -165,7 +165,7 @@ def summary_from_output(text: str) -> dict[str, Any] | None:
     for line in reversed(text.splitlines()):
         if line.startswith("{") and '"bench"' in line:
             try:
-                return json.loads(line)  # type: ignore[no-any-return]
+                return dict(json.loads(line))
             except ValueError:
                 return None
     return None
