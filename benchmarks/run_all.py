@@ -3,12 +3,13 @@
 Each script runs in its own process (a hung or crashed one cannot take the others with it) and
 its full output is kept; the table is built from the JSON object each prints last.
 
-By default the throughput benchmark runs at its default size and the others with ``--quick``,
-so the whole run takes under ~5 minutes on 2 cores; ``--full`` runs every script at its
-default size (~15 min), ``--quick`` every one quick (~2 min). ``--save`` writes each
-script's output to ``benchmarks/results/DATE_MACHINE_NAME[_quick].txt`` and the table to
-``..._all.txt``; with matplotlib importable (``pip install -e .[bench]``) it also draws
-``..._throughput.png``.
+By default the throughput, timeline and workers benchmarks run at their default size and the
+others with ``--quick``, so the whole run takes ~6 minutes on 2 cores; ``--full`` runs every
+script at its default size (~15 min), ``--quick`` every one quick (~2.5 min). ``--save``
+writes each script's output to ``benchmarks/results/DATE_MACHINE_NAME[_quick].txt`` and the
+table to ``..._all.txt``; with matplotlib importable (``pip install -e .[bench]``) it also
+draws ``results/throughput.png``, ``timeline.png`` and ``workers.png`` (``plots.py``;
+``NAME_quick.png`` after a quick run, so those never replace a full run's charts).
 
 Run: python3 benchmarks/run_all.py [--quick | --full] [--save] [--machine 2core-cpu]
      [--only throughput,state,...]
@@ -35,7 +36,12 @@ SCRIPTS = {
     "stream_state": "bench_stream_state.py",
     "memory": "bench_memory.py",
     "gpu_pin": "bench_gpu_pin.py",
+    "timeline": "bench_timeline.py",
+    "workers": "bench_workers.py",
 }
+# Run at their default size unless --quick (the others run --quick unless --full): the
+# throughput table is the headline, and the two charts for the front page take ~1 min together.
+FULL_BY_DEFAULT = ("throughput", "timeline", "workers")
 # A script that runs longer than this is stopped; its row says so.
 SCRIPT_TIMEOUT_S = 900
 
@@ -128,6 +134,36 @@ def _rows_gpu_pin(s: dict[str, Any]) -> list[list[str]]:
     return [["ours / torch", _num(s.get("ratio_steady_median")), "<= 1.00"]]
 
 
+def _rows_timeline(s: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    n = s.get("n_batches")
+    for r in s.get("loaders", []):
+        if "no kills" in r["name"]:
+            continue
+        kills = len(r.get("kills", []))
+        if r.get("error"):
+            got = f"stopped at batch {r['batches']}: {r['error'].split(':')[0]}"
+        else:
+            got = f"{r['batches']} of {n} batches"
+        rows.append([f"{r['name']}: worker SIGKILLed every {s['kill_every']} ({kills} kills)",
+                     got, f"{n} of {n}"])  # fmt: skip
+        if not r.get("error") and kills:
+            rows.append([f"{r['name']}: longest gap over a kill (ms)",
+                         _num(r["max_gap_spanning_kill_ms"], 0), "-"])  # fmt: skip
+    return rows
+
+
+def _rows_workers(s: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for w, per in s.get("workloads", {}).items():
+        for k, res in per.items():
+            xs = res["x_limit"]
+            rows.append([f"{w}, {k} worker(s): x the limit (ours / torch / torchdata)",
+                         " / ".join(_num(xs[x]) for x in ("ours", "torch", "torchdata")
+                                    if x in xs), "-"])  # fmt: skip
+    return rows
+
+
 _ROWS = {
     "throughput": _rows_throughput,
     "state": _rows_state,
@@ -135,6 +171,8 @@ _ROWS = {
     "stream_state": _rows_stream_state,
     "memory": _rows_memory,
     "gpu_pin": _rows_gpu_pin,
+    "timeline": _rows_timeline,
+    "workers": _rows_workers,
 }
 
 
@@ -143,44 +181,25 @@ def rows_for(name: str, s: dict[str, Any]) -> list[list[str]]:
     return [[name, *row] for row in _ROWS[name](s)]
 
 
-def draw(path: str, s: dict[str, Any]) -> bool:
-    """A bar chart of each throughput workload as a multiple of the limit; False without
-    matplotlib."""
-    try:
-        import matplotlib
+def draw_all(summaries: dict[str, Any], quick: dict[str, bool]) -> None:
+    """Draw results/NAME.png for every chart whose script ran (NAME_quick.png after a quick
+    run, so a quick run never replaces the charts of a full one); says so without matplotlib."""
+    import plots
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names = [w for w, v in s.items() if isinstance(v, dict) and "ratios" in v]
-    sides = [k for k in ("ours_limit", "torch_limit", "torchdata_limit")
-             if names and k in s[names[0]]["ratios"]]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 4))
-    width = 0.8 / max(1, len(sides))
-    for i, side in enumerate(sides):
-        med = [s[w]["ratios"][side]["median"] for w in names]
-        lo = [m - s[w]["ratios"][side]["min"] for m, w in zip(med, names)]
-        hi = [s[w]["ratios"][side]["max"] - m for m, w in zip(med, names)]
-        xs = [j + i * width for j in range(len(names))]
-        ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=side.split("_")[0])
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(names))])
-    ax.set_xticklabels(names)
-    ax.set_ylabel("steady epoch / the machine's limit")
-    ax.set_title("Epoch time as a multiple of the limit (median, min-max over rounds)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    for name, fn in plots.DRAW.items():
+        if name not in summaries:
+            continue
+        png = os.path.join(RESULTS, f"{name}{'_quick' if quick[name] else ''}.png")
+        if not fn(png, summaries[name]):
+            print("matplotlib is not importable: no PNG (pip install -e .[bench])")
+            return
+        print(f"drew {os.path.relpath(png)}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="every script with --quick (~2 min)")
+    g.add_argument("--quick", action="store_true", help="every script with --quick (~2.5 min)")
     g.add_argument("--full", action="store_true", help="every script at its default size")
     p.add_argument("--save", action="store_true", help="write the outputs to results/")
     p.add_argument("--machine", default="2core-cpu", help="machine name in the result files")
@@ -190,9 +209,11 @@ def main() -> int:
     rows: list[list[str]] = []
     summaries: dict[str, Any] = {}
     failed = []
+    quick_of: dict[str, bool] = {}
     for name in args.only.split(","):
-        quick = args.quick or (not args.full and name != "throughput")
+        quick = args.quick or (not args.full and name not in FULL_BY_DEFAULT)
         print(f"running {SCRIPTS[name]}{' --quick' if quick else ''} ...", flush=True)
+        quick_of[name] = quick
         out, summary, wall, rc = run_script(name, quick)
         print(f"  {name}: {wall:.0f} s, exit status {rc}", flush=True)
         if args.save:
@@ -222,12 +243,7 @@ def main() -> int:
     if args.save:
         with open(os.path.join(RESULTS, f"{stamp}_all.txt"), "w") as f:
             f.write(table + "\n" + json.dumps(summaries, sort_keys=True) + "\n")
-        if "throughput" in summaries:
-            png = os.path.join(RESULTS, f"{stamp}_throughput.png")
-            if draw(png, summaries["throughput"]):
-                print(f"drew {png}")
-            else:
-                print("matplotlib is not importable: no PNG (pip install -e .[bench])")
+        draw_all(summaries, quick_of)
     return 1 if failed else 0
 
 
