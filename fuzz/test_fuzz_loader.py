@@ -568,8 +568,9 @@ class _LoaderModel(RuleBasedStateMachine):
             self.loader = None
             self.opts = opts
             self.generation += 1
-            # Another generator: the state, not the new loader's seed, must decide.
-            self.loader = self._build(opts, seed=self.cfg.seed + 7919 * self.generation)
+            # Built as the first was, its generator too: the state decides the saved epoch,
+            # and how far that generator is advanced for the epochs after it.
+            self.loader = self._build(opts)
         self.loader.load_state_dict(sd)
         self.it = iter(self.loader)
         self.pos = at.next_epoch() if at.stopped else replace(at)

@@ -93,6 +93,7 @@ def test_dcp_resume_on_any_world_size_delivers_the_epoch_exactly_once(
 def test_the_ddp_example_killed_and_resumed_on_three_ranks(tmp_path: Path) -> None:
     example = JOB.parent.parent / "examples" / "ddp_elastic.py"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(JOB.parent.parent), env.get("PYTHONPATH", "")])
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     first = subprocess.run(
         [*run, "--nproc-per-node=2", str(example), "--ckpt", str(tmp_path), "--crash-at", "7"],
