@@ -1316,6 +1316,14 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         return self.batch_size if self._auto_collation else None
 
     def _load_point(self, rp: S.ResumePoint, state_dict: dict[str, Any] | None) -> None:
+        for tid, idx in rp.outstanding:
+            if isinstance(idx, list) != self._auto_collation:
+                shape = "a list of sample indices" if self._auto_collation else "one index"
+                raise CheckpointError(
+                    f"cannot load DataLoader state: outstanding: task {tid} has {idx!r}, but a "
+                    f"task of this loader is {shape}. The state is damaged, or from a loader "
+                    "that batches differently."
+                )
         if self._plan.kind == DISTRIBUTED:
             share = self._plan.distributed_tasks(rp.sampler_epoch, rp.history)
             if rp.consumed + len(rp.ahead) > share:

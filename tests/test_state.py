@@ -500,7 +500,7 @@ def test_malformed_skipped_entries_are_refused(entry: object) -> None:
 
 
 # A regression found by the fuzzers in fuzz/.
-@pytest.mark.parametrize("indices", [None, [None], []])
+@pytest.mark.parametrize("indices", [None, [None], [], 1])
 def test_malformed_outstanding_indices_are_refused(indices: object) -> None:
     def make() -> DataLoader:
         return DataLoader(RangeData(), batch_size=2, sampler=SeqSamplerWithState(4))
