@@ -173,7 +173,13 @@ def run(
     finally:
         if killer is not None:
             killer.stop()
-            killer.join(5)
+            try:
+                killer.join(5)
+            except RuntimeError as e:
+                # torch's SIGCHLD handler raises in the main thread for a worker that died
+                # after its iterator already failed: the same error, seen again.
+                error = error or f"{type(e).__name__}: {e}".splitlines()[0]
+                killer.join(5)
     stats = C.statistics_dict(loader)
     del it
     _settle(loader)
