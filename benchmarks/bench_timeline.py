@@ -34,28 +34,11 @@ import time
 from typing import Any
 
 import _common as C
-import torch
-from bench_throughput import stateful_loader
-from torch.utils.data import Dataset
+from bench_throughput import HeavyDataset, stateful_loader
 
 ITEM_WORK_S = 0.2e-3
 BATCH = 16
 WORKERS = 2
-
-
-class SpinDataset(Dataset):
-    """3x64x64 float32 items after ~0.2 ms of CPU work; item i is filled with the value i."""
-
-    def __init__(self, n: int, work_s: float = ITEM_WORK_S) -> None:
-        self.n = n
-        self.work_s = work_s
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, idx: int) -> torch.Tensor:
-        C.spin(self.work_s)
-        return torch.full((3, 64, 64), float(idx), dtype=torch.float32)
 
 
 def ours_pids(loader: Any) -> list[int]:
@@ -146,7 +129,7 @@ def _settle(loader: Any) -> None:
 
 
 def run(
-    name: str, loader_cls: type, ds: SpinDataset, method: str, kill_every: int | None, find: Any
+    name: str, loader_cls: type, ds: HeavyDataset, method: str, kill_every: int | None, find: Any
 ) -> dict[str, Any]:
     """One epoch; with ``kill_every``, a Killer thread SIGKILLs a worker every that many
     batches. Returns the arrival series and what happened."""
@@ -243,7 +226,7 @@ def main() -> int:
     n_batches = args.batches or (200 if args.quick else 400)
     repeats = args.repeats or (1 if args.quick else 3)
     api = C.loader_api()
-    ds = SpinDataset(n_batches * BATCH)
+    ds = HeavyDataset(n_batches * BATCH, ITEM_WORK_S)  # 3x64x64 float32, ~0.2 ms each
     sdl = stateful_loader()
     print(C.env_line(args.start_method))
     print(
@@ -266,7 +249,7 @@ def main() -> int:
         plan.append(("torchdata", sdl, args.kill_every, child_pids))
     # one untimed warm-up epoch of ours and torch's (imports, allocator, page cache)
     for cls in (api.DataLoader, C.torch_loader()):
-        run("warm-up", cls, SpinDataset(4 * BATCH), args.start_method, None, None)
+        run("warm-up", cls, HeavyDataset(4 * BATCH, ITEM_WORK_S), args.start_method, None, None)
 
     # Every loader runs `repeats` times, the order rotated each round so load drift spreads
     # evenly; the run with the median end time is the one shown and drawn.

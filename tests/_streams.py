@@ -94,34 +94,6 @@ class StatefulShard(Shard):
         self.pos = sd["pos"]
 
 
-class ResetInIterShard(IterableDataset):
-    """Written for torchdata's order (``iter()`` first, then ``load_state_dict``): ``__iter__``
-    resets the cursor eagerly and the dataset is its own iterator."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.values: list[int] = []
-        self.pos = 0
-
-    def __iter__(self):
-        self.values = _shard(self.n)
-        self.pos = 0
-        return self
-
-    def __next__(self):
-        if self.pos >= len(self.values):
-            raise StopIteration
-        v = self.values[self.pos]
-        self.pos += 1
-        return _item(v)
-
-    def state_dict(self) -> dict:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.pos = sd["pos"]
-
-
 class StartInIterShard(IterableDataset):
     """Written for the other order (``load_state_dict`` first): the loaded position waits
     in the dataset, and ``__iter__`` builds an iterator that starts there (and takes it)."""
@@ -189,6 +161,21 @@ class _ShardIter:
 
     def load_state_dict(self, sd: dict) -> None:
         self.pos = sd["pos"]
+
+
+class ResetInIterShard(_ShardIter, IterableDataset):
+    """Written for torchdata's order (``iter()`` first, then ``load_state_dict``): ``__iter__``
+    resets the cursor eagerly and the dataset is its own iterator."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.values: list[int] = []
+        self.pos = 0
+
+    def __iter__(self):
+        self.values = _shard(self.n)  # in the worker: its own shard
+        self.pos = 0
+        return self
 
 
 class IteratorStateShard(IterableDataset):
