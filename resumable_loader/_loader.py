@@ -6,7 +6,7 @@ module.
  sampler / batch_sampler ──► dispatcher ──► task pipe (one per worker) ──► worker process
   (_sampling: the epoch's     (_dispatch: task id = position in          (_worker: per-task
    order; position is state)   the epoch; outstanding: id → indices,      seeded RNGs, fetch,
-                               worker; EPOCH and re-sends)                collate, send)
+                               worker; Epoch and re-sends)                collate, send)
                                                                                 │
  user ◄── reorder buffer ◄── pin thread ◄── result socket (one per worker) ◄────┘
         (_reorder: releases    (_pin:        (_transport: tensors' fds in-band, never blocks;
@@ -21,6 +21,10 @@ module.
    and the Cursor: the position, read from the reorder buffer, dispatcher and stream ledger,
    frozen when the iterator ends, kept by the loader until the next iter().
  state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes).
+ messages (_protocol): every message between the main process and a worker, typed, and the
+   one Status enum of results and deliveries.
+ ranks (_distributed): torch's DistributedSampler cut into shards and re-cut for another world
+   size; the global state gathered under torch.distributed.checkpoint.
 
 With num_workers=0 the same state contract holds, with no processes: the main process fetches
 each task itself, under the same per-task seeds (its own RNG streams saved and restored).
