@@ -180,14 +180,14 @@ class IndexPlan:
         if self.kind == DISTRIBUTED:
             share = self.distributed_share(*self.dist_position)
             return _BuiltinEpoch(share, self._batching(), start)
-        return _BuiltinEpoch(self._order(base_seed, epoch), self._batching(), start)
+        return _BuiltinEpoch(self._order(base_seed), self._batching(), start)
 
     def _batching(self) -> tuple[int | None, bool]:
         if not self._auto:
             return None, False
         return self._batch_sampler.batch_size, self._batch_sampler.drop_last
 
-    def _order(self, base_seed: int, epoch: int) -> np.ndarray | int:
+    def _order(self, base_seed: int) -> np.ndarray | int:
         """The epoch's sample order as an int64 array, or the length for sequential order."""
         inner = self._inner
         if type(inner) is SequentialSampler:
