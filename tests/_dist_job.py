@@ -54,7 +54,9 @@ def main() -> None:
         for k in range(steps + (rank == 0)):
             taken += next(it).tolist()
             if kill and rank == 1 and k == 0:
-                os.kill(worker_pids(loader)[0], signal.SIGKILL)
+                killed = worker_pids(loader)[0]
+                os.kill(killed, signal.SIGKILL)
+                got["killed"] = [killed]
         got["1"] = taken
         if rank == 0:
             # Rank 0 alone asks for its own state (as for torch.save): no collective, no hang.

@@ -85,7 +85,10 @@ def test_dcp_resume_on_any_world_size_delivers_the_epoch_exactly_once(
         for r in range(before):
             assert saved[r]["got"]["1"] + resumed[r]["got"]["1"] == torchs_shards(before, 1)[r]
     if kill:
-        assert saved[1]["respawns"] >= 1  # a worker died on rank 1, and nothing changed
+        # Rank 1 SIGKILLed a worker after its first batch, and nothing above changed. Whether
+        # the death was seen before the save depends on what was already prefetched (a
+        # respawn is then not needed): the recovery itself is tested in test_crash_table.
+        assert saved[1]["got"]["killed"] and saved[1]["respawns"] in (0, 1)
     for r in range(after):
         assert resumed[r]["got"]["2"] == torchs_shards(after, 2)[r]
 
