@@ -166,12 +166,13 @@ class Dispatcher:
     def _fill_stream(self) -> None:
         slots = self.sup.slots
         n = len(slots)
+        # Shards end only when results arrive, never during one fill: count them once.
+        active = sum(not s.exhausted for s in slots)
+        if not active:
+            self.source_done = True
+            return
         while len(self.tasks) + self._backlog() < self.limit:
             slot = None
-            active = sum(not s.exhausted for s in slots)
-            if not active:
-                self.source_done = True
-                return
             for step in range(n):
                 cand = slots[(self.cycle + step) % n]
                 if not cand.exhausted and not self._full(cand, active):
