@@ -40,7 +40,6 @@ import copy
 import functools
 import inspect
 import multiprocessing
-import pickle
 import threading
 import time
 import warnings
@@ -59,8 +58,8 @@ from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError
 from ._lifecycle import Cursor, Life
 from ._pin import PinStage, current_device_index, pin_memory
-from ._protocol import Delivery, Result, StreamNote, StreamResume
-from ._recovery import POISON, SKIPPED, Recovery
+from ._protocol import Delivery, Result, StreamResume
+from ._recovery import SKIPPED, Recovery
 from ._reorder import ReorderBuffer
 from ._sampling import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
@@ -77,6 +76,7 @@ from ._seeding import (
 )
 from ._stats import Counters, LoaderStatistics
 from ._supervisor import DeathReport, Supervisor, WorkerSlot
+from ._tasks import MapTasks, StreamTasks, TaskSource
 from ._worker import (
     END,
     ERROR,
@@ -85,9 +85,7 @@ from ._worker import (
     StreamEnd,
     StreamFetcher,
     WorkerSpec,
-    decode_state,
     make_retrier,
-    merge_state,
     seed_datapipe,
 )
 
@@ -128,43 +126,6 @@ class RetryPolicy:
             raise ValueError(
                 f"RetryPolicy.exceptions must be exception types, got {self.exceptions!r}"
             )
-
-
-def _encode_plain(state: Any) -> dict[Any, bytes]:
-    if isinstance(state, dict):
-        return {k: pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for k, v in state.items()}
-    return {None: pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)}
-
-
-class _StreamLedger:
-    """Per stream worker, what the caller consumed: batches, exhaustion, and the latest
-    dataset state among them (taken after ``state_at`` of the ``delivered`` fetches)."""
-
-    __slots__ = ("delivered", "exhausted", "state", "state_at")
-
-    def __init__(self, n: int, rp: S.ResumePoint | None) -> None:
-        self.delivered = [0] * n
-        self.exhausted = [False] * n
-        self.state: list[dict[Any, bytes]] = [{} for _ in range(n)]
-        self.state_at = [0] * n
-        if rp is not None:
-            for w, wp in enumerate(rp.workers):
-                self.delivered[w] = wp.delivered
-                self.exhausted[w] = wp.exhausted
-                self.state_at[w] = wp.state_at
-                if wp.dataset_state is not None:
-                    self.state[w] = _encode_plain(wp.dataset_state)
-
-    def export(self) -> list[S.WorkerPosition]:
-        return [
-            S.WorkerPosition(
-                self.delivered[w],
-                self.exhausted[w],
-                decode_state(self.state[w]) if self.state[w] else None,
-                self.state_at[w] if self.state[w] else 0,
-            )
-            for w in range(len(self.delivered))
-        ]
 
 
 # KeyboardInterrupt and SystemExit (a SIGTERM handler calling sys.exit) are not errors of the
@@ -519,30 +480,11 @@ def _retire(cursor: Cursor, sup: Supervisor, owns_sup: bool, pin: PinStage | Non
             sup.shutdown()
 
 
-def _next_stream_worker(disp: Dispatcher, reorder: ReorderBuffer, pin: PinStage | None) -> int:
-    """The worker whose batch the caller gets next (round-robin continues from it): that of the
-    lowest task not yet delivered, wherever it is -- outstanding, in the pin thread, or
-    buffered for its turn."""
-    best_tid, best_w = None, disp.cycle
-    for tid, task in disp.tasks.items():
-        if best_tid is None or tid < best_tid:
-            best_tid, best_w = tid, task.worker
-    for tid, worker in pin.held().items() if pin is not None else ():
-        if (best_tid is None or tid < best_tid) and worker is not None:
-            best_tid, best_w = tid, worker
-    for tid, item in reorder.items():
-        if (best_tid is None or tid < best_tid) and item[2] is not None:
-            best_tid, best_w = tid, item[2][0]
-    return best_w
-
-
 def _pipeline_position(
     epoch: int,
-    plan: IndexPlan,
     reorder: ReorderBuffer,
     disp: Dispatcher,
-    drawn: dict[int, Any],
-    ledger: _StreamLedger | None,
+    tasks: TaskSource,
     pin: PinStage | None,
 ) -> S.ResumePoint:
     """The position of a multi-process epoch, from the stages that know it."""
@@ -551,18 +493,8 @@ def _pipeline_position(
         epoch=epoch,
         consumed=reorder.rcvd,
         ahead=reorder.ahead,
-        stateful=plan.kind == STATEFUL,
-        iterable=ledger is not None,
     )
-    if rp.stateful:
-        rp.sampler_state = plan.sampler_state()
-        rp.drawn = disp.send_idx
-        rp.sampler_done = disp.source_done or bool(getattr(disp.source, "done", False))
-        rp.outstanding = sorted(drawn.items())
-    if ledger is not None:
-        rp.ahead = frozenset()
-        rp.workers = ledger.export()
-        rp.next_worker = _next_stream_worker(disp, reorder, pin)
+    tasks.export(rp, disp, reorder, pin)
     return rp
 
 
@@ -618,53 +550,29 @@ class _MultiProcessIter(_BaseIter):
         self._start_processes(loader)
         sup = self._sup
         loader._pool_gen += 1
-        gen = loader._pool_gen
         start = rp.consumed if rp else 0
         ahead = rp.ahead if rp else frozenset()
-        n = len(sup.slots)
-        next_worker = 0
-        self._ledger: _StreamLedger | None = None
         if self._iterable:
             # A stream resumes per worker; task ids restart after what was consumed.
-            self._ledger = _StreamLedger(n, rp)
             start, ahead = start + len(ahead), frozenset()
-            next_worker = rp.next_worker if rp else 0
-        self._reorder = ReorderBuffer(self._in_order, start, ahead)
+        self._reorder = reorder = ReorderBuffer(self._in_order, start, ahead)
         self._num_yielded = start + len(ahead)
-        if self._iterable:
-            source: Any = iter(())
-        elif self._stateful_sampler and rp is not None:
-            source = self._plan.epoch(
-                self._base, self.epoch, rp.drawn, rp.sampler_state, rp.sampler_done
-            )
-        else:
-            source = self._plan.epoch(self._base, self.epoch, start)
-        reorder = self._reorder
+        tasks = self._task_source(loader, rp, start, len(sup.slots))
         pin = self._pin
 
         def backlog() -> int:
             return len(reorder) + (pin.in_flight if pin is not None else 0)
 
-        disp = Dispatcher(
-            sup,
-            self._iterable,
-            loader.prefetch_factor or 0,
-            source,
-            start,
-            reorder.seen,
-            backlog,
-            next_worker,
-            self._in_order,
-        )
-        disp.gen = gen
+        disp = Dispatcher(sup, tasks, loader.prefetch_factor or 0, start, backlog, self._in_order)
+        disp.gen = loader._pool_gen
         disp.epoch = self.epoch
         disp.base_seed = self._base
         disp.sample_seed = loader._sample_seed()
         self._disp = disp
+        self._tasks = tasks
         self._recovery = Recovery(
             sup,
             disp,
-            iterable=self._iterable,
             epoch=self.epoch,
             max_attempts=loader.max_task_attempts,
             on_poison=loader.on_poison,
@@ -672,47 +580,32 @@ class _MultiProcessIter(_BaseIter):
             start_method=sup.ctx.get_start_method(),
             transient=tuple(loader.retry.exceptions) if loader.retry is not None else (),
         )
-        self._drawn: dict[int, Any] = {}
-        if self._stateful_sampler:
-            disp.record = self._drawn
-            if rp is not None:
-                disp.send_idx = rp.drawn
-                for tid, indices in sorted(rp.outstanding):
-                    if not reorder.seen(tid):
-                        disp.add_owed(tid, indices)
-                        self._drawn[tid] = indices
+        tasks.begin(disp)
         self._cursor.bind(
-            functools.partial(
-                _pipeline_position,
-                self.epoch,
-                self._plan,
-                reorder,
-                disp,
-                self._drawn,
-                self._ledger,
-                self._pin,
-            )
+            functools.partial(_pipeline_position, self.epoch, reorder, disp, tasks, pin)
         )
         for slot in sup.slots:
-            self._prime(slot, loader)
+            slot.outstanding.clear()
             disp.send_epoch(slot)
         disp.fill()
 
-    def _prime(self, slot: WorkerSlot, loader: DataLoader[Any]) -> None:
-        """A slot's bookkeeping at the start of the epoch (a stream's: where its shard stands)."""
-        slot.outstanding.clear()
-        slot.exhausted = False
-        slot.recv_state = {}
-        slot.recv_count = slot.next_k = slot.recv_at = 0
-        ledger = self._ledger
-        if ledger is not None:
-            w = slot.wid
-            slot.exhausted = ledger.exhausted[w]
-            slot.recv_state = dict(ledger.state[w])
-            slot.recv_count = slot.next_k = ledger.delivered[w]
-            slot.recv_at = ledger.state_at[w]
-            if not slot.recv_state and slot.recv_count and not slot.exhausted:
-                loader._warn_fast_forward(slot.recv_count)
+    def _task_source(
+        self, loader: DataLoader[Any], rp: S.ResumePoint | None, start: int, n: int
+    ) -> TaskSource:
+        """The epoch's tasks: a stream's shards, or the sampler's batches from ``start``."""
+        if self._iterable:
+            return StreamTasks(n, rp, loader._warn_fast_forward)
+        owed: list[tuple[int, Any]] = []
+        if self._stateful_sampler and rp is not None:
+            indices = self._plan.epoch(
+                self._base, self.epoch, rp.drawn, rp.sampler_state, rp.sampler_done
+            )
+            owed = rp.outstanding
+        else:
+            indices = self._plan.epoch(self._base, self.epoch, start)
+        return MapTasks(
+            self._plan, indices, start, n, self._reorder.seen, self._stateful_sampler, owed
+        )
 
     # ---- the caller's side ---------------------------------------------------------------
     def __next__(self) -> Any:
@@ -765,19 +658,9 @@ class _MultiProcessIter(_BaseIter):
             self._counters.wait_time_s += time.monotonic() - now
 
     def _deliver(self, tid: int, item: Delivery) -> Any:
-        status, payload, stream = item
+        self._tasks.delivered(tid, item)
+        status, payload = item.status, item.payload
         del item
-        if self._stateful_sampler:
-            self._drawn.pop(tid, None)
-        if self._ledger is not None and stream is not None:
-            w, delta, drained = stream
-            if status in (OK, ERROR):
-                self._ledger.delivered[w] += 1
-                if delta is not None:
-                    merge_state(self._ledger.state[w], delta)
-                    self._ledger.state_at[w] = self._ledger.delivered[w]
-            if drained or status in (END, POISON, SKIPPED):
-                self._ledger.exhausted[w] = True
         if status == OK:
             return payload
         if status == ERROR:
@@ -795,7 +678,7 @@ class _MultiProcessIter(_BaseIter):
 
     def _epoch_done(self) -> bool:
         disp = self._disp
-        if not disp.source_done or disp.tasks:
+        if not self._tasks.done or disp.tasks:
             return False
         if self._pin is not None and self._pin.in_flight:
             return False
@@ -820,25 +703,14 @@ class _MultiProcessIter(_BaseIter):
         self._disp.fill()
 
     def _on_result(self, slot: WorkerSlot, msg: Result) -> None:
-        gen, tid, status, payload, delta, retries, drained = msg
-        if gen != self._disp.gen:
+        if msg.gen != self._disp.gen:
             return  # from an epoch abandoned with persistent workers
-        task = self._disp.on_result(slot, tid)
-        if task is None:
+        tid = msg.tid
+        if self._disp.on_result(slot, tid) is None:
             self._counters.duplicates_dropped += 1
             return
-        self._counters.retries += retries
-        if self._iterable:
-            if status != END:
-                slot.recv_count += 1
-                if delta is not None:
-                    merge_state(slot.recv_state, delta)
-                    slot.recv_at = slot.recv_count
-            if drained:
-                slot.exhausted = True  # no further task to this worker
-        item = Delivery(
-            status, payload, StreamNote(slot.wid, delta, drained) if self._iterable else None
-        )
+        self._counters.retries += msg.retries
+        item = Delivery(msg.status, msg.payload, self._tasks.received(slot, msg))
         if self._pin is not None:
             # Everything goes through the pin thread's FIFO, errors and ENDs too: a stream's
             # END must not overtake that worker's batches still being pinned.

@@ -28,7 +28,7 @@ from typing import Any
 
 from ._dispatch import Dispatcher, Task
 from ._errors import WorkerCrashError
-from ._protocol import Delivery, Status, StreamNote
+from ._protocol import Delivery, Status
 from ._stats import Counters
 from ._supervisor import DeathReport, WorkerSlot
 from ._worker import WorkerError
@@ -36,7 +36,7 @@ from ._worker import WorkerError
 log = logging.getLogger("resumable_loader")
 
 # The statuses recovery decides (see _protocol.Status), importable from here too.
-END, POISON, SKIPPED = Status.END, Status.POISON, Status.SKIPPED
+POISON, SKIPPED = Status.POISON, Status.SKIPPED
 
 
 @dataclass
@@ -67,19 +67,13 @@ def torch_words(report: DeathReport) -> str:
     return f"DataLoader worker (pid {report.pid}) exited unexpectedly with exit code {code}."
 
 
-def describe(task: Task, iterable: bool) -> str:
-    if iterable:
-        return f"stream batch {task.payload} of worker {task.worker} (task {task.tid})"
-    return f"samples {task.payload} (task {task.tid})"
-
-
 class Recovery:
     """Turns death reports into decisions for one epoch's pipeline.
 
     Args:
         sup: the supervisor (``respawn``, ``ctx``).
-        disp: the dispatcher (the task table, ``send_epoch``, re-sending).
-        iterable: streams (tasks belong to one worker's shard) or map-style.
+        disp: the dispatcher (the task table, ``send_epoch``) and its task source (where a
+            dead worker's tasks go; what poison does to a stream's shard).
         epoch: for messages.
         max_attempts: deaths a task may cause before it is poison; failed starts in a row a
             worker slot may have before the epoch is broken.
@@ -95,7 +89,6 @@ class Recovery:
         sup: Any,
         disp: Dispatcher,
         *,
-        iterable: bool,
         epoch: int,
         max_attempts: int,
         on_poison: str,
@@ -105,7 +98,7 @@ class Recovery:
     ) -> None:
         self.sup = sup
         self.disp = disp
-        self.iterable = iterable
+        self.source = disp.source
         self.epoch = epoch
         self.max_attempts = max_attempts
         self.on_poison = on_poison
@@ -125,10 +118,10 @@ class Recovery:
         if not report.was_ready or slot.init_error is not None:
             # It never ran a task: its start failed, and no task is to blame.
             slot.start_failures += 1
-            where = f" while starting (holding {describe(blamed, self.iterable)})" if blamed else ""
+            where = f" while starting (holding {self.source.describe(blamed)})" if blamed else ""
             blamed = None
         else:
-            where = f" while loading {describe(blamed, self.iterable)}" if blamed else ""
+            where = f" while loading {self.source.describe(blamed)}" if blamed else ""
         line = f"worker {slot.wid} (pid {report.pid}) {report.cause}{where}"
         log.warning("DataLoader %s", line)
         if blamed is not None:
@@ -145,15 +138,7 @@ class Recovery:
             return out
         self.counters.respawns_by_cause[report.key] += 1
         self.disp.send_epoch(slot)
-        if self.iterable:
-            if slot.exhausted:
-                # Its shard ran dry in a batch already received: what it still held can only
-                # be ENDs. Resolve them here; a replacement would read the shard again.
-                for tid in sorted(slot.outstanding):
-                    self.disp.drop(tid)
-                    out.deliver.append((tid, Delivery(END, None, StreamNote(slot.wid, None, True))))
-            else:
-                self.disp.resend_stream(slot)
+        out.deliver.extend(self.source.after_respawn(self.disp, slot))
         self._log_resent(slot, report, [t for t in tids if t in self.disp.tasks])
         return out
 
@@ -185,7 +170,7 @@ class Recovery:
         attempts = tuple(task.failures)
         indices = task.payload
         message = (
-            f"DataLoader gave up on {describe(task, self.iterable)} of epoch {self.epoch}: it "
+            f"DataLoader gave up on {self.source.describe(task)} of epoch {self.epoch}: it "
             f"killed the worker {len(attempts)} times (max_task_attempts={self.max_attempts}):"
             "\n  "
             + "\n  ".join(attempts)
@@ -194,13 +179,8 @@ class Recovery:
             + _in_torchs_words(report)
         )
         self.disp.drop(task.tid)
-        extra = StreamNote(slot.wid, None, True) if self.iterable else None
-        if self.iterable:
-            # The worker's stream cannot get past this batch: its shard ends here this epoch.
-            slot.exhausted = True
-            for tid in list(slot.outstanding):
-                self.disp.drop(tid)
-                out.deliver.append((tid, Delivery(END, None, extra)))
+        extra, ends = self.source.poisoned(self.disp, slot)
+        out.deliver.extend(ends)
         if self.on_poison == "skip":
             item = Delivery(SKIPPED, (task.tid, indices, message + " (skipped)"), extra)
         else:
@@ -226,7 +206,7 @@ class Recovery:
             slot.pid,
             report.key,
             live,
-            "fetches" if self.iterable else "samples",
+            self.source.unit,
             [self.disp.tasks[t].payload for t in live],
         )
 
@@ -236,4 +216,4 @@ def _in_torchs_words(report: DeathReport) -> str:
     return f"\n(The last death in torch's words: {words})" if words else ""
 
 
-__all__ = ["POISON", "SKIPPED", "Outcome", "Recovery", "describe", "torch_words"]
+__all__ = ["POISON", "SKIPPED", "Outcome", "Recovery", "torch_words"]

@@ -273,16 +273,14 @@ class WorkerSlot:
         self.booted = False  # the current process has sent BOOTED
         self.start_since = 0.0  # when it was started, then when it sent BOOTED
         self.running: int | None = None  # the task it said it started out of order (STARTED)
-        # Stream bookkeeping (iterable datasets), per epoch:
-        self.exhausted = False  # an END was received from this slot
-        self.recv_state: dict[Any, bytes] = {}
-        self.recv_count = 0  # fetches received
-        self.recv_at = 0  # recv_state was taken after this many fetches
-        self.next_k = 0  # fetch number of the next new task
 
     @property
     def alive(self) -> bool:
         return self.state in (STARTING, READY_STATE)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY_STATE
 
     def __repr__(self) -> str:
         return (

@@ -16,9 +16,12 @@ def test_a_death_is_blamed_on_the_task_the_worker_was_running() -> None:
 
     from resumable_loader._dispatch import Dispatcher, Task
     from resumable_loader._supervisor import WorkerSlot
+    from resumable_loader._tasks import StreamTasks
 
     slot = WorkerSlot(1)
-    disp = Dispatcher(SimpleNamespace(slots=[slot]), False, 3, iter(()), 0, None, None)
+    # A stream's tasks stay on the dead slot (for its replacement): what on_death reports.
+    tasks = StreamTasks(2, None, lambda count: None)
+    disp = Dispatcher(SimpleNamespace(slots=[slot]), tasks, 3, 0, lambda: 0)
     for tid in (3, 5, 2):  # task 2 was re-sent to this worker after 3 and 5
         disp.tasks[tid] = Task(tid, [tid], worker=1)
     slot.outstanding = collections.deque([3, 5, 2])

@@ -15,6 +15,7 @@ from resumable_loader._protocol import Epoch, Status, TaskMsg
 from resumable_loader._recovery import POISON, SKIPPED, Recovery, torch_words
 from resumable_loader._stats import Counters
 from resumable_loader._supervisor import DEAD, READY_STATE, STARTING, DeathReport, WorkerSlot
+from resumable_loader._tasks import MapTasks, StreamTasks, TaskSource
 from resumable_loader._worker import WorkerError
 
 END = Status.END
@@ -52,13 +53,17 @@ def pipeline(
     storm_after: int | None = None,
 ) -> tuple[FakeSupervisor, Dispatcher, Recovery, Counters]:
     sup = FakeSupervisor(n_workers, storm_after)
-    source = iter([[2 * k, 2 * k + 1] for k in range(10)])
-    disp = Dispatcher(sup, iterable, 2, source, 0, lambda tid: False, lambda: 0)  # type: ignore[arg-type]
+    tasks: TaskSource
+    if iterable:
+        tasks = StreamTasks(n_workers, None, lambda count: None)
+    else:
+        indices = iter([[2 * k, 2 * k + 1] for k in range(10)])
+        tasks = MapTasks(None, indices, 0, n_workers, lambda tid: False, False)  # type: ignore[arg-type]
+    disp = Dispatcher(sup, tasks, 2, 0, lambda: 0)
     counters = Counters()
     recovery = Recovery(
         sup,
         disp,
-        iterable=iterable,
         epoch=0,
         max_attempts=3,
         on_poison=on_poison,
@@ -192,7 +197,7 @@ def test_a_poisoned_stream_batch_ends_that_workers_shard() -> None:
         out = recovery.on_death(w0, die(sup, w0))
         if attempt < 2:
             w0.state = READY_STATE
-    assert w0.exhausted
+    assert isinstance(disp.source, StreamTasks) and disp.source.received_at[0].exhausted
     by_tid = {tid: item for tid, item in out.deliver}
     assert by_tid[0][0] == POISON
     assert by_tid[2] == (END, None, (0, None, True))  # the rest of the shard: ends
@@ -202,7 +207,8 @@ def test_a_poisoned_stream_batch_ends_that_workers_shard() -> None:
 def test_an_exhausted_stream_worker_is_replaced_but_its_tasks_end() -> None:
     sup, disp, recovery, _ = pipeline(iterable=True)
     w1 = sup.slots[1]
-    w1.exhausted = True  # its shard ran dry in a batch already received
+    assert isinstance(disp.source, StreamTasks)
+    disp.source.received_at[1].exhausted = True  # its shard ran dry in a batch already received
     sup.sent.clear()
     out = recovery.on_death(w1, die(sup, w1))
     assert sorted(out.deliver) == [
