@@ -515,11 +515,13 @@ class _LoaderModel(RuleBasedStateMachine):
             self._next()
 
     def _booted_worker_pids(self) -> set[int]:
-        """Workers the loader has heard from (white-box: the supervisor's slots)."""
-        sup = self.loader._pool or getattr(self.loader._active(), "_sup", None)
-        if sup is None:
-            return set()
-        return {slot.pid for slot in sup.slots if slot.booted}
+        """Workers the loader has heard from (they run our code: initializing or ready)."""
+        stats = self.loader.statistics()
+        return {
+            pid
+            for pid, state in zip(stats.worker_pids, stats.worker_states)
+            if state in ("initializing", "ready")
+        }
 
     def do_kill(self, which: int, sig: str, every: bool) -> None:
         if not self.opts.num_workers:

@@ -3,6 +3,41 @@
 Save ``loader.state_dict()`` next to the model; after a preemption build the loader again,
 ``load_state_dict()`` it, and the next batch is exactly the one the uninterrupted run would
 have produced. Workers that die or hang are replaced and their tasks re-sent.
+
+This is the one drawing of the pipeline (docs/internals.md walks along it); each box names its
+module, in the order a batch meets them.
+
+ sampler / batch_sampler ──► task source ──► dispatcher ──► task pipe ──► worker process
+  (_sampling: the epoch's    (_tasks: map     (_dispatch:    (one per      (_worker: per-task
+   order; position is        batches or a     the table of   worker)       seeded RNGs, fetch,
+   state)                    stream's shards; outstanding                  collate, send)
+                             assignment, what tasks; Epoch,                      │
+                             a death does,    TaskMsg, re-sends)                 │
+                             the position)                                       │
+ user ◄── reorder buffer ◄── pin thread ◄── result socket (one per worker) ◄─────┘
+        (_reorder: releases    (_pin:        (_transport: tensors' fds in-band, never blocks;
+         ids in order, drops    optional)     a result carries its stream state delta)
+         duplicates)
+
+ iterators (_iterators): one epoch's wiring of the stages above; the loader (_loader) builds
+   it from an EpochSetup, and keeps its Cursor.
+ supervisor (_supervisor): waits on every result socket, process sentinel and a SIGCHLD
+   wake-up pipe, polls liveness, enforces task_timeout; reports results and deaths as typed
+   events (Arrived, Died).
+ recovery (_recovery): turns a death report into decisions -- blame, attempts, poison or
+   skip, respawn, EPOCH, re-send (where to, the task source says) -- which the iterator only
+   sees as items or a fatal error.
+ lifecycle (_lifecycle): the iterator's states (open → finished / abandoned / broken / closed)
+   and the Cursor: the position, read from the reorder buffer, dispatcher and task source,
+   frozen when the iterator ends, kept by the loader until the next iter().
+ state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes).
+ messages (_protocol): every message between the main process and a worker, typed, and the
+   one Status enum of results and deliveries.
+ ranks (_distributed): torch's DistributedSampler cut into shards and re-cut for another world
+   size; the global state gathered under torch.distributed.checkpoint.
+
+With num_workers=0 the same state contract holds, with no processes: the main process fetches
+each task itself, under the same per-task seeds (its own RNG streams saved and restored).
 """
 
 from ._compat import check_torch as _check_torch

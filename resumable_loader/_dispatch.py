@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._protocol import Epoch, TaskMsg
-from ._supervisor import WorkerSlot
+from ._supervisor import Supervisor, WorkerSlot
 
 if TYPE_CHECKING:
     from ._tasks import TaskSource
@@ -58,7 +58,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        sup: Any,
+        sup: Supervisor,
         source: TaskSource,
         prefetch_factor: int,
         start_tid: int,

@@ -7,7 +7,7 @@ exactly what that iterator delivered, until the next ``iter(loader)`` begins -- 
 that position must not keep worker processes, pipes or shared memory alive.
 
 So the position is not the iterator's: it is a ``Cursor``, which reads the live position from
-the stages that know it (the reorder buffer, the dispatcher, the stream ledger) while the
+the stages that know it (the reorder buffer, the dispatcher, the task source) while the
 iterator runs, and is *frozen* into plain data when the iterator ends -- before the workers are
 released, from the iterator's finalizer, so a dropped iterator hands over its position without
 anyone calling ``close()``. The loader keeps the cursor of its latest iterator.

@@ -1,33 +1,10 @@
-"""The DataLoader and its iterators: where the stages are wired together.
+"""The public ``DataLoader``: torch's arguments and checks, the state, and the wiring.
 
-This is the one drawing of the pipeline (docs/internals.md walks along it); each box names its
-module.
-
- sampler / batch_sampler ──► dispatcher ──► task pipe (one per worker) ──► worker process
-  (_sampling: the epoch's     (_dispatch: task id = position in          (_worker: per-task
-   order; position is state)   the epoch; outstanding: id → indices,      seeded RNGs, fetch,
-                               worker; Epoch and re-sends)                collate, send)
-                                                                                │
- user ◄── reorder buffer ◄── pin thread ◄── result socket (one per worker) ◄────┘
-        (_reorder: releases    (_pin:        (_transport: tensors' fds in-band, never blocks;
-         ids in order, drops    optional)     a result carries its stream state delta)
-         duplicates)
-
- supervisor (_supervisor): waits on every result socket, process sentinel and a SIGCHLD
-   wake-up pipe, polls liveness, enforces task_timeout; reports each death as a DeathReport.
- recovery (_recovery): turns a death report into decisions -- blame, attempts, poison or
-   skip, respawn, EPOCH, re-send -- which the iterator only sees as items or a fatal error.
- lifecycle (_lifecycle): the iterator's states (open → finished / abandoned / broken / closed)
-   and the Cursor: the position, read from the reorder buffer, dispatcher and stream ledger,
-   frozen when the iterator ends, kept by the loader until the next iter().
- state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes).
- messages (_protocol): every message between the main process and a worker, typed, and the
-   one Status enum of results and deliveries.
- ranks (_distributed): torch's DistributedSampler cut into shards and re-cut for another world
-   size; the global state gathered under torch.distributed.checkpoint.
-
-With num_workers=0 the same state contract holds, with no processes: the main process fetches
-each task itself, under the same per-task seeds (its own RNG streams saved and restored).
+``iter(loader)`` builds the epoch's iterator (``_iterators``) from an ``EpochSetup``; the
+pipeline it runs is drawn in the package docstring (``resumable_loader/__init__.py``).
+``state_dict()`` reads the latest iterator's ``Cursor`` (``_lifecycle``) and writes it with
+``_schema``; ``load_state_dict()`` validates a state and keeps the position for the next
+``iter()``. Under ``torch.distributed.checkpoint`` the state is the job's (``_distributed``).
 
 ``state_dict()`` describes what the caller consumed -- never what was prefetched -- so a loader
 built the same way and given that state yields exactly the batches the uninterrupted run would
@@ -41,7 +18,6 @@ import functools
 import inspect
 import multiprocessing
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -54,46 +30,27 @@ from torch.utils.data import Dataset, Sampler
 
 from . import _distributed as D
 from . import _schema as S
-from ._dispatch import Dispatcher
 from ._errors import CheckpointError, LoaderClosedError
-from ._lifecycle import Cursor, Life
-from ._pin import PinStage, current_device_index, pin_memory
-from ._protocol import Delivery, Result, StreamResume
-from ._recovery import SKIPPED, Recovery
-from ._reorder import ReorderBuffer
+from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
+from ._lifecycle import Cursor
+from ._pin import pin_memory
 from ._sampling import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
     DIST_SEED,
     SAMPLE,
-    STREAM,
-    TASK,
     WORKER,
-    FetchRngs,
-    GlobalRngGuard,
     derive_seed,
     draw_base_seed,
-    seed_global_rngs,
 )
 from ._stats import Counters, LoaderStatistics
-from ._supervisor import DeathReport, Supervisor, WorkerSlot
-from ._tasks import MapTasks, StreamTasks, TaskSource
+from ._supervisor import Supervisor
 from ._worker import (
-    END,
-    ERROR,
-    OK,
-    MapFetcher,
-    StreamEnd,
-    StreamFetcher,
     WorkerSpec,
-    make_retrier,
-    seed_datapipe,
 )
 
 T_co = TypeVar("T_co", covariant=True)
 
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
-
-_SKIP = object()
 
 
 @dataclass(frozen=True)
@@ -126,618 +83,6 @@ class RetryPolicy:
             raise ValueError(
                 f"RetryPolicy.exceptions must be exception types, got {self.exceptions!r}"
             )
-
-
-# KeyboardInterrupt and SystemExit (a SIGTERM handler calling sys.exit) are not errors of the
-# data: raised inside next(), they end the iterator (see _lifecycle), and the batch being
-# loaded is not counted as delivered.
-_INTERRUPTS = (KeyboardInterrupt, SystemExit)
-_INTERRUPTED = "interrupted inside next() (KeyboardInterrupt or SystemExit)"
-
-
-def _fresh(err: BaseException) -> BaseException:
-    """A copy of a stored error to raise, so the stored one never holds a traceback.
-
-    A traceback holds the iterator's frames, and the iterator holds the stored error: raising
-    the stored error itself would form a reference cycle, and the iterator (and whatever it
-    keeps alive) would wait for the garbage collector.
-    """
-    try:
-        copied = copy.copy(err)
-    except Exception:
-        return err
-    copied.__cause__ = err.__cause__
-    return copied
-
-
-class _BaseIter:
-    """What both iterators share: the lifecycle (see ``_lifecycle``) and the cursor."""
-
-    _cursor: Cursor
-    _finalizer: Any
-
-    def __init__(self, loader: DataLoader[Any], epoch: int) -> None:
-        self._loader = loader
-        self.epoch = epoch
-        self._life = Life.OPEN
-        self._why = ""  # why it was abandoned, for the error a later next() raises
-        self._broken: BaseException | None = None
-        self._plan: IndexPlan = loader._plan
-        self._iterable = self._plan.kind == ITERABLE
-        self._stateful_sampler = self._plan.kind == STATEFUL
-        self._base: int = loader._seed
-        self._counters: Counters = loader._counters
-        # An iterable dataset's len(loader), if the caller asked for it: more batches than that
-        # is warned about, as torch does (scripts watch for it).
-        self._len_reported: int | None = (
-            loader._IterableDataset_len_called if self._iterable else None
-        )
-        self._num_yielded = 0  # batches of this epoch delivered (from the resumed position)
-
-    def __iter__(self) -> _BaseIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    @property
-    def life(self) -> Life:
-        return self._life
-
-    @property
-    def finished(self) -> bool:
-        return self._life is Life.FINISHED
-
-    @property
-    def is_open(self) -> bool:
-        return self._life is Life.OPEN
-
-    def _check_usable(self) -> None:
-        life = self._life
-        if life is Life.OPEN:
-            return
-        if life is Life.BROKEN:
-            self._raise_broken()
-        if life is Life.FINISHED:
-            raise StopIteration  # an exhausted iterator keeps saying so, as torch's does
-        if life is Life.CLOSED:
-            raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
-        raise LoaderClosedError(
-            f"this DataLoader iterator was {self._why}. Its position is kept in "
-            "loader.state_dict(); to continue from it, call "
-            "loader.load_state_dict(loader.state_dict()) and then iter(loader)"
-        )
-
-    def _delivered(self, batch: Any) -> Any:
-        """Count a batch handed to the caller; warn when a stream overruns its reported len."""
-        self._counters.batches += 1
-        self._num_yielded += 1
-        reported = self._len_reported
-        if reported is not None and self._num_yielded > reported:
-            msg = (
-                f"Length of IterableDataset {self._loader.dataset} was reported to be "
-                f"{reported} (when accessing len(dataloader)), but {self._num_yielded} "
-                "samples have been fetched."
-            )
-            if self._loader.num_workers > 0:
-                # Its first words are torch's (scripts and torch's tests match on them).
-                msg += (
-                    " For multiprocessing data-loading, this usually means each worker iterates "
-                    "its own copy of the dataset: shard it with "
-                    "torch.utils.data.get_worker_info() so they do not all yield it all."
-                )
-            warnings.warn(msg, UserWarning, stacklevel=3)
-        return batch
-
-    def _raise_broken(self) -> None:
-        assert self._broken is not None
-        err = _fresh(self._broken)
-        try:
-            raise err
-        finally:
-            del err
-
-    def _deliver_skipped(self, payload: Any) -> None:
-        tid, indices, message = payload
-        self._counters.skipped.append([self.epoch, tid, indices])
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    # ---- transitions out of OPEN (each final) ---------------------------------------------
-    def _finish(self) -> None:
-        self._cursor.finished = True
-        self._end(Life.FINISHED)
-
-    def _abandon(self, why: str) -> None:
-        """Left before its end: keep the position, release the workers."""
-        self._why = why
-        self._end(Life.ABANDONED)
-
-    def close(self) -> None:
-        """The loader was closed (loader.close())."""
-        self._end(Life.CLOSED)
-
-    def _end(self, life: Life) -> None:
-        if self._life is Life.OPEN:
-            self._life = life
-        self._finalizer()  # freezes the cursor, then releases what the iterator holds
-
-
-# ---- num_workers=0 ----------------------------------------------------------------------------
-class _SingleProgress:
-    """What a num_workers=0 iterator has delivered. Its cursor reads this, not the iterator."""
-
-    __slots__ = ("ahead", "consumed", "drawn", "exhausted", "fetcher", "k", "seed", "source", "tid")
-
-    def __init__(self, rp: S.ResumePoint | None) -> None:
-        # Ids > consumed already delivered (in_order=False), for the state.
-        self.ahead: set[int] = set(rp.ahead) if rp else set()
-        self.consumed = rp.consumed if rp else 0
-        self.drawn: dict[int, Any] = {}  # stateful samplers: drawn, not yet consumed
-        self.tid = 0  # the next task id to draw
-        self.source: Any = None
-        self.seed = 0  # the map task being fetched: what a retry re-seeds with
-        # Streams:
-        self.fetcher: Any = None
-        self.k = 0  # fetches delivered
-        self.exhausted = False
-
-
-def _single_position(
-    epoch: int, plan: IndexPlan, p: _SingleProgress, stateless: list[bool]
-) -> S.ResumePoint:
-    rp = S.ResumePoint(
-        seed=0,  # the loader's, filled in by state_dict()
-        epoch=epoch,
-        consumed=p.consumed,
-        ahead=frozenset(p.ahead),
-        stateful=plan.kind == STATEFUL,
-        iterable=plan.kind == ITERABLE,
-    )
-    if rp.stateful:
-        rp.sampler_state = plan.sampler_state()
-        rp.drawn = p.tid
-        rp.sampler_done = bool(getattr(p.source, "done", False))
-        rp.outstanding = sorted(p.drawn.items())
-    if rp.iterable:
-        holder = None if stateless[0] else p.fetcher.holder
-        state = copy.deepcopy(holder.state_dict()) if holder is not None else None
-        exhausted = p.exhausted or p.fetcher.ended
-        rp.workers = [S.WorkerPosition(p.k, exhausted, state, p.k if state is not None else 0)]
-    return rp
-
-
-class _SingleProcessIter(_BaseIter):
-    """num_workers=0: the main process fetches each task under its task seed."""
-
-    def __init__(self, loader: DataLoader[Any], epoch: int, rp: S.ResumePoint | None) -> None:
-        super().__init__(loader, epoch)
-        plan = self._plan
-        self._pin = loader._pin_fn()
-        p = self._p = _SingleProgress(rp)
-        self._num_yielded = p.consumed
-        # The ids to skip when drawn (delivered before the checkpoint, in_order=False): a set
-        # apart from ``ahead``, because advancing ``consumed`` must not forget what to skip.
-        self._skip = set(p.ahead)
-        self._owed: list[tuple[int, Any]] = []
-        self._rngs = FetchRngs()  # each fetch under its seed, the caller's RNGs kept apart
-        # Set when an interrupt cut a stream fetch short: the stream then stands past items
-        # never delivered, so its own state no longer matches the position, and a resume
-        # replays the delivered fetches instead (seeded, hence exact).
-        self._stateless = [False]
-        if self._iterable:
-            fetcher = StreamFetcher(
-                loader.dataset,
-                loader._auto_collation,
-                loader.collate_fn,
-                loader.batch_size,
-                loader.drop_last,
-                exact_retry=loader.retry is not None,
-            )
-            self._fetcher: Any = fetcher
-            p.fetcher = fetcher
-            # As in workers: a retry resumes the step that raised, with the RNGs of then.
-            run = make_retrier(loader.retry, fetcher.before_retry, fetcher.can_retry)
-            self._run = run
-            wp = rp.workers[0] if rp else S.WorkerPosition()
-            resume: StreamResume | None = None
-            if wp.exhausted:
-                pass  # nothing more this epoch; start the next one from a fresh iterator
-            elif wp.dataset_state is not None or wp.delivered:
-                if wp.dataset_state is None:
-                    loader._warn_fast_forward(wp.delivered)
-                at = wp.state_at if wp.dataset_state is not None else 0
-                resume = StreamResume(wp.dataset_state, False, at, wp.delivered)
-            base = self._base
-
-            def replay(fn: Any, fetch_seed: int) -> Any:
-                seed_global_rngs(fetch_seed)
-                return run(fn)[0]
-
-            with GlobalRngGuard():
-                seed_datapipe(loader.dataset, base)
-                fetcher.start(resume, lambda k: derive_seed(STREAM, base, 0, k), replay)
-            p.k = wp.delivered
-            p.exhausted = wp.exhausted
-            p.tid = p.consumed
-        else:
-            # The retry re-seeds with the task being fetched: read from ``p``, not ``self``,
-            # so that the iterator forms no reference cycle with its own retrier.
-            self._run = make_retrier(loader.retry, lambda: seed_global_rngs(p.seed))
-            self._fetcher = MapFetcher(loader.dataset, loader._auto_collation, loader.collate_fn)
-            self._fetcher.sample_seed = loader._sample_seed()
-            if self._stateful_sampler and rp is not None:
-                p.source = plan.epoch(
-                    self._base, epoch, rp.drawn, rp.sampler_state, rp.sampler_done
-                )
-                self._owed = sorted(rp.outstanding)
-                p.tid = rp.drawn
-            else:
-                p.source = plan.epoch(self._base, epoch, p.consumed)
-                p.tid = p.consumed
-            p.drawn = dict(self._owed)
-        self._cursor = Cursor(
-            epoch, functools.partial(_single_position, epoch, plan, p, self._stateless)
-        )
-        self._finalizer = weakref.finalize(self, self._cursor.freeze)
-
-    def _next_task(self) -> tuple[int, Any]:
-        if self._owed:
-            return self._owed.pop(0)
-        p = self._p
-        payload = next(p.source)  # StopIteration ends the epoch
-        tid = p.tid
-        p.tid += 1
-        return tid, payload
-
-    def __next__(self) -> Any:
-        self._check_usable()
-        try:
-            return self._next_stream() if self._iterable else self._next_map()
-        except _INTERRUPTS:
-            self._abandon(_INTERRUPTED)
-            raise
-
-    def _next_map(self) -> Any:
-        p = self._p
-        while True:
-            try:
-                tid, indices = self._next_task()
-            except StopIteration:
-                self._finish()
-                raise
-            if tid in self._skip:
-                self._skip.discard(tid)
-                continue
-            break
-        if self._stateful_sampler:
-            p.drawn[tid] = indices
-        p.seed = derive_seed(TASK, self._base, tid)
-        try:
-            with self._rngs.seeded(p.seed):
-                data, retries = self._run(self._fetcher.fetch, indices)
-        except BaseException as exc:
-            # A batch whose load raised is consumed, as with torch -- unless it was an
-            # interrupt: not delivered, so not consumed, and a resume loads it again.
-            if not isinstance(exc, _INTERRUPTS):
-                self._consume(tid)
-            raise
-        self._consume(tid)
-        self._counters.retries += retries
-        return self._delivered(self._pin(data) if self._pin else data)
-
-    def _consume(self, tid: int) -> None:
-        p = self._p
-        p.drawn.pop(tid, None)
-        if tid == p.consumed:
-            p.consumed += 1
-            while p.consumed in p.ahead:
-                p.ahead.discard(p.consumed)
-                p.consumed += 1
-        else:
-            p.ahead.add(tid)
-
-    def _next_stream(self) -> Any:
-        p = self._p
-        if p.exhausted:
-            self._finish()
-            raise StopIteration
-        seed = derive_seed(STREAM, self._base, 0, p.k)
-        try:
-            with self._rngs.seeded(seed):
-                data, retries = self._run(self._fetcher.fetch)
-        except StreamEnd:
-            p.exhausted = True
-            self._finish()
-            raise StopIteration from None
-        except _INTERRUPTS:
-            self._stateless[0] = True
-            raise
-        except Exception:
-            self._fetcher.fetch_failed()
-            p.k += 1
-            p.consumed += 1
-            raise
-        p.k += 1
-        p.consumed += 1
-        self._counters.retries += retries
-        return self._delivered(self._pin(data) if self._pin else data)
-
-
-# ---- num_workers>0 ----------------------------------------------------------------------------
-def _retire(cursor: Cursor, sup: Supervisor, owns_sup: bool, pin: PinStage | None) -> None:
-    """An iterator's end, from close() or its finalizer: the position first, then the rest.
-
-    Not a method: the finalizer must not keep the iterator alive.
-    """
-    try:
-        cursor.freeze()
-    finally:
-        if pin is not None:
-            if not owns_sup:
-                sup.unwatch_extra(pin.wake_fd)  # the persistent pool outlives this pin thread
-            pin.close()
-        if owns_sup:
-            sup.shutdown()
-
-
-def _pipeline_position(
-    epoch: int,
-    reorder: ReorderBuffer,
-    disp: Dispatcher,
-    tasks: TaskSource,
-    pin: PinStage | None,
-) -> S.ResumePoint:
-    """The position of a multi-process epoch, from the stages that know it."""
-    rp = S.ResumePoint(
-        seed=0,  # the loader's, filled in by state_dict()
-        epoch=epoch,
-        consumed=reorder.rcvd,
-        ahead=reorder.ahead,
-    )
-    tasks.export(rp, disp, reorder, pin)
-    return rp
-
-
-class _MultiProcessIter(_BaseIter):
-    """num_workers>0: the pipeline drawn at the top of this module."""
-
-    def __init__(
-        self,
-        loader: DataLoader[Any],
-        epoch: int,
-        rp: S.ResumePoint | None,
-        pool: Supervisor | None,
-    ) -> None:
-        super().__init__(loader, epoch)
-        self._owns_sup = pool is None
-        self._in_order = loader.in_order
-        self._timeout = loader.timeout
-        self._pin: PinStage | None = None
-        # An exception that arrived while a batch was being handed over (a Ctrl-C during the
-        # dispatch that refills the prefetch window): that batch is delivered, this is raised
-        # at the next call.
-        self._pending: BaseException | None = None
-        sup = pool if pool is not None else loader._make_supervisor(epoch)
-        self._sup = sup
-        self._cursor = Cursor(epoch, dict)  # bound to the stages once they exist
-        self._finalizer = weakref.finalize(self, _retire, self._cursor, sup, self._owns_sup, None)
-        try:
-            self._setup(loader, rp)
-        except BaseException:
-            self._end(Life.ABANDONED)
-            raise
-
-    def _start_processes(self, loader: DataLoader[Any]) -> None:
-        """The workers (a persistent pool's dead ones replaced), then the pin thread."""
-        sup = self._sup
-        if self._owns_sup:
-            sup.start_all()
-        else:
-            for slot in sup.slots:
-                if not slot.alive:
-                    sup.respawn(slot)
-        pin_fn = loader._pin_fn()
-        if pin_fn is not None:
-            device = None if pin_fn is loader._force_pin_fn else current_device_index()
-            self._pin = PinStage(loader._fork_lock, pin_fn, device)
-            sup.watch_extra(self._pin.wake_fd, "pin")
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(
-                self, _retire, self._cursor, sup, self._owns_sup, self._pin
-            )
-
-    def _setup(self, loader: DataLoader[Any], rp: S.ResumePoint | None) -> None:
-        self._start_processes(loader)
-        sup = self._sup
-        loader._pool_gen += 1
-        start = rp.consumed if rp else 0
-        ahead = rp.ahead if rp else frozenset()
-        if self._iterable:
-            # A stream resumes per worker; task ids restart after what was consumed.
-            start, ahead = start + len(ahead), frozenset()
-        self._reorder = reorder = ReorderBuffer(self._in_order, start, ahead)
-        self._num_yielded = start + len(ahead)
-        tasks = self._task_source(loader, rp, start, len(sup.slots))
-        pin = self._pin
-
-        def backlog() -> int:
-            return len(reorder) + (pin.in_flight if pin is not None else 0)
-
-        disp = Dispatcher(sup, tasks, loader.prefetch_factor or 0, start, backlog, self._in_order)
-        disp.gen = loader._pool_gen
-        disp.epoch = self.epoch
-        disp.base_seed = self._base
-        disp.sample_seed = loader._sample_seed()
-        self._disp = disp
-        self._tasks = tasks
-        self._recovery = Recovery(
-            sup,
-            disp,
-            epoch=self.epoch,
-            max_attempts=loader.max_task_attempts,
-            on_poison=loader.on_poison,
-            counters=self._counters,
-            start_method=sup.ctx.get_start_method(),
-            transient=tuple(loader.retry.exceptions) if loader.retry is not None else (),
-        )
-        tasks.begin(disp)
-        self._cursor.bind(
-            functools.partial(_pipeline_position, self.epoch, reorder, disp, tasks, pin)
-        )
-        for slot in sup.slots:
-            slot.outstanding.clear()
-            disp.send_epoch(slot)
-        disp.fill()
-
-    def _task_source(
-        self, loader: DataLoader[Any], rp: S.ResumePoint | None, start: int, n: int
-    ) -> TaskSource:
-        """The epoch's tasks: a stream's shards, or the sampler's batches from ``start``."""
-        if self._iterable:
-            return StreamTasks(n, rp, loader._warn_fast_forward)
-        owed: list[tuple[int, Any]] = []
-        if self._stateful_sampler and rp is not None:
-            indices = self._plan.epoch(
-                self._base, self.epoch, rp.drawn, rp.sampler_state, rp.sampler_done
-            )
-            owed = rp.outstanding
-        else:
-            indices = self._plan.epoch(self._base, self.epoch, start)
-        return MapTasks(
-            self._plan, indices, start, n, self._reorder.seen, self._stateful_sampler, owed
-        )
-
-    # ---- the caller's side ---------------------------------------------------------------
-    def __next__(self) -> Any:
-        self._check_usable()
-        try:
-            if self._pending is not None:
-                exc, self._pending = self._pending, None
-                try:
-                    raise exc
-                finally:
-                    del exc
-            return self._next_batch()
-        except _INTERRUPTS:
-            # Interrupted while results were being taken in: some may be half-handled, so
-            # this iterator cannot go on safely. What it delivered is exactly known.
-            self._abandon(_INTERRUPTED)
-            raise
-
-    def _next_batch(self) -> Any:
-        reorder = self._reorder
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-        while True:
-            if reorder.ready():
-                tid, item = reorder.pop()
-                # The released slot in the prefetch window goes back to work before the
-                # caller gets the batch, so workers never idle while the caller computes.
-                try:
-                    self._disp.fill()
-                except BaseException as exc:
-                    self._pending = exc  # the batch is released: deliver it first
-                try:
-                    out = self._deliver(tid, item)
-                finally:
-                    # Not kept in this frame: an error raised from the item must not be
-                    # reachable from its own traceback (a cycle holding the iterator).
-                    item = None
-                if out is not _SKIP:
-                    return self._delivered(out)
-                continue
-            if self._epoch_done():
-                self._finish()
-                raise StopIteration
-            now = time.monotonic()
-            wait = self._sup.next_deadline(now) - now
-            if deadline is not None:
-                if now >= deadline:
-                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-                wait = min(wait, deadline - now)
-            self._pump(wait)
-            self._counters.wait_time_s += time.monotonic() - now
-
-    def _deliver(self, tid: int, item: Delivery) -> Any:
-        self._tasks.delivered(tid, item)
-        status, payload = item.status, item.payload
-        del item
-        if status == OK:
-            return payload
-        if status == ERROR:
-            raise payload.exception()
-        if status == END:
-            return _SKIP
-        if status == SKIPPED:
-            self._deliver_skipped(payload)
-            return _SKIP
-        err, payload = payload, None  # POISON: raise it with no local left referring to it
-        try:
-            raise err
-        finally:
-            del err
-
-    def _epoch_done(self) -> bool:
-        disp = self._disp
-        if not self._tasks.done or disp.tasks:
-            return False
-        if self._pin is not None and self._pin.in_flight:
-            return False
-        if len(self._reorder):
-            raise AssertionError(
-                f"reorder buffer holds {self._reorder.buffered_ids()} but rcvd is "
-                f"{self._reorder.rcvd} and nothing is outstanding"
-            )
-        return True
-
-    # ---- the workers' side ---------------------------------------------------------------
-    def _pump(self, timeout: float) -> None:
-        for kind, slot, data in self._sup.poll(timeout):
-            if kind == "msg":
-                self._on_result(slot, data)
-            elif kind == "dead":
-                self._on_dead(slot, data)
-        if self._pin is not None:
-            for tid, item in self._pin.drain():
-                if not self._reorder.put(tid, item):
-                    self._counters.duplicates_dropped += 1
-        self._disp.fill()
-
-    def _on_result(self, slot: WorkerSlot, msg: Result) -> None:
-        if msg.gen != self._disp.gen:
-            return  # from an epoch abandoned with persistent workers
-        tid = msg.tid
-        if self._disp.on_result(slot, tid) is None:
-            self._counters.duplicates_dropped += 1
-            return
-        self._counters.retries += msg.retries
-        item = Delivery(msg.status, msg.payload, self._tasks.received(slot, msg))
-        if self._pin is not None:
-            # Everything goes through the pin thread's FIFO, errors and ENDs too: a stream's
-            # END must not overtake that worker's batches still being pinned.
-            self._pin.submit(tid, item)
-        elif not self._reorder.put(tid, item):
-            self._counters.duplicates_dropped += 1
-
-    def _on_dead(self, slot: WorkerSlot, report: DeathReport) -> None:
-        outcome = self._recovery.on_death(slot, report)
-        for tid, item in outcome.deliver:
-            if not self._reorder.put(tid, item):
-                self._counters.duplicates_dropped += 1
-        if outcome.fatal is not None:
-            self._break(outcome.fatal)
-
-    def _break(self, err: BaseException) -> None:
-        self._broken = err
-        self._end(Life.BROKEN)
-        if not self._owns_sup:
-            self._loader._drop_pool()
-        self._raise_broken()
-
-    # ---- checks --------------------------------------------------------------------------
-    def check_invariants(self) -> None:
-        r = self._reorder
-        r.check_invariants()
-        self._disp.check_invariants(lambda t: t < r.rcvd or t in r.ahead)
 
 
 class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
@@ -871,7 +216,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._draws = 0
         self._next_epoch = 0
         self._resume: S.ResumePoint | None = None
-        self._active: Callable[[], _BaseIter | None] = lambda: None
+        self._active: Callable[[], BaseIter | None] = lambda: None
         # The position of the latest iterator; it outlives the iterator (see _lifecycle).
         self._cursor: Cursor | None = None
         self._pool: Supervisor | None = None
@@ -897,29 +242,63 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             self._seed = rp.seed if rp is not None and rp.seed is not None else self._draw_seed()
         old = self._active()
         if old is not None and self.persistent_workers and old.is_open:
-            old._abandon(
+            old.abandon(
                 "replaced by a newer iter(loader): with persistent_workers one worker "
                 "pool serves one iterator at a time"
             )
-        it: _BaseIter
+        it: BaseIter
         try:
+            setup = self._epoch_setup(epoch)
             if self.num_workers == 0:
-                it = _SingleProcessIter(self, epoch, rp)
+                it = SingleProcessIter(setup, rp)
             elif self.persistent_workers:
                 if self._pool is None or self._pool.closed:
                     self._pool = self._make_supervisor(epoch)
                     self._pool.start_all()
                     self._pool_finalizer = weakref.finalize(self, self._pool.shutdown)
-                it = _MultiProcessIter(self, epoch, rp, self._pool)
+                it = MultiProcessIter(setup, rp, self._pool)
             else:
-                it = _MultiProcessIter(self, epoch, rp, None)
+                it = MultiProcessIter(setup, rp, None)
         except BaseException:
             self._resume = rp  # nothing was delivered: the next iter() starts over from it
             raise
         self._next_epoch = epoch + 1
         self._active = weakref.ref(it)
-        self._cursor = it._cursor
+        self._cursor = it.cursor
         return it
+
+    def _epoch_setup(self, epoch: int) -> EpochSetup:
+        """What the epoch's iterator takes from this loader (see ``_iterators``)."""
+        self._pool_gen += 1
+        pin_fn = self._pin_fn()
+        return EpochSetup(
+            epoch=epoch,
+            seed=self._seed,
+            plan=self._plan,
+            counters=self._counters,
+            dataset=self.dataset,
+            num_workers=self.num_workers,
+            auto_collation=self._auto_collation,
+            collate_fn=self.collate_fn,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
+            retry=self.retry,
+            in_order=self.in_order,
+            timeout=self.timeout,
+            prefetch_factor=self.prefetch_factor or 0,
+            max_task_attempts=self.max_task_attempts,
+            on_poison=self.on_poison,
+            sample_seed=self._sample_seed(),
+            len_reported=self._IterableDataset_len_called,
+            pin_fn=pin_fn,
+            pin_device=None if self._force_pin_fn is not None else CURRENT_DEVICE,
+            fork_lock=self._fork_lock,
+            gen=self._pool_gen,
+            length=self.__len__,
+            warn_fast_forward=self._warn_fast_forward,
+            make_supervisor=functools.partial(self._make_supervisor, epoch),
+            drop_pool=self._drop_pool,
+        )
 
     def _distributed_epoch(self, rp: S.ResumePoint | None) -> int:
         """Set the DistributedSampler epoch (and resize levels) the next epoch iterates, and
@@ -1225,7 +604,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             self._plan.sampler.set_epoch(rp.sampler_epoch)
         old = self._active()
         if old is not None:
-            old._abandon("replaced by load_state_dict(): iterate the loader again to continue")
+            old.abandon("replaced by load_state_dict(): iterate the loader again to continue")
         self._cursor = None
         if self._pool is not None:
             # Its workers carry datasets advanced by prefetching and seeds of the old state:
@@ -1248,14 +627,17 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         sup = self._pool
         if sup is None:
             it = self._active()
-            sup = it._sup if isinstance(it, _MultiProcessIter) else None
-        pids = tuple(s.pid if s.alive else -1 for s in sup.slots) if sup is not None else ()
-        return self._counters.snapshot(pids)
+            sup = it.supervisor if it is not None else None
+        slots = sup.slots if sup is not None else []
+        return self._counters.snapshot(
+            tuple(s.pid if s.alive else -1 for s in slots),
+            tuple(s.describe_state() for s in slots),
+        )
 
     def check_invariants(self) -> None:
         """Assert the pipeline's invariants (for tests): reorder buffer and task table."""
         it = self._active()
-        if isinstance(it, _MultiProcessIter) and it.is_open:
+        if isinstance(it, MultiProcessIter) and it.is_open:
             it.check_invariants()
 
     # ---- teardown ------------------------------------------------------------------------

@@ -18,7 +18,10 @@ begins a task out of arrival order (a re-sent task overtaking queued ones). ``St
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from ._worker import WorkerError
 
 
 class Status(enum.IntEnum):
@@ -85,7 +88,7 @@ class InitError(NamedTuple):
     """Starting failed (``worker_init_fn``, or a stream's ``iter()``/state restore raised)."""
 
     worker_id: int
-    error: Any  # a WorkerError
+    error: WorkerError
 
 
 class Started(NamedTuple):

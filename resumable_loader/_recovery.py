@@ -24,13 +24,12 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass, field
-from typing import Any
 
 from ._dispatch import Dispatcher, Task
 from ._errors import WorkerCrashError
 from ._protocol import Delivery, Status
 from ._stats import Counters
-from ._supervisor import DeathReport, WorkerSlot
+from ._supervisor import DeathReport, Supervisor, WorkerSlot
 from ._worker import WorkerError
 
 log = logging.getLogger("resumable_loader")
@@ -48,7 +47,7 @@ class Outcome:
         fatal: the epoch cannot go on: raise this (its ``__cause__`` set), or None.
     """
 
-    deliver: list[tuple[int, Any]] = field(default_factory=list)
+    deliver: list[tuple[int, Delivery]] = field(default_factory=list)
     fatal: BaseException | None = None
 
 
@@ -86,7 +85,7 @@ class Recovery:
 
     def __init__(
         self,
-        sup: Any,
+        sup: Supervisor,
         disp: Dispatcher,
         *,
         epoch: int,

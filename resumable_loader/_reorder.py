@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass
-from typing import Any
+
+from ._protocol import Delivery
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class ReorderBuffer:
     def __init__(self, in_order: bool, start: int = 0, ahead: frozenset[int] = frozenset()):
         self.in_order = in_order
         self.rcvd = start  # every id below this has been released
-        self._buf: dict[int, Any] = {}
+        self._buf: dict[int, Delivery] = {}
         self._arrived: collections.deque[int] = collections.deque()  # in_order=False: ids in _buf
         self._ahead: set[int] = set(ahead)  # released ids > rcvd (in_order=False only)
         self.duplicates = 0
@@ -49,7 +50,7 @@ class ReorderBuffer:
         """Whether ``tid`` was already released or is waiting here."""
         return tid < self.rcvd or tid in self._ahead or tid in self._buf
 
-    def put(self, tid: int, item: Any) -> bool:
+    def put(self, tid: int, item: Delivery) -> bool:
         """Buffer ``item`` for ``tid``; False (and counted) if it is a duplicate."""
         if self.seen(tid):
             self.duplicates += 1
@@ -64,7 +65,7 @@ class ReorderBuffer:
             return self.rcvd in self._buf
         return bool(self._buf)
 
-    def pop(self) -> tuple[int, Any]:
+    def pop(self) -> tuple[int, Delivery]:
         """Release the next item; call only when ``ready()``."""
         if self.in_order:
             tid = self.rcvd
@@ -91,7 +92,7 @@ class ReorderBuffer:
         """Ids > rcvd already released (in_order=False)."""
         return frozenset(self._ahead)
 
-    def items(self) -> list[tuple[int, Any]]:
+    def items(self) -> list[tuple[int, Delivery]]:
         """The buffered (id, item) pairs, lowest id first."""
         return sorted(self._buf.items(), key=lambda kv: kv[0])
 

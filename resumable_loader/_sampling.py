@@ -137,15 +137,15 @@ class IndexPlan:
             return self._stateful_obj.state_dict()
         return None
 
-    def epoch(
+    def batches(
         self,
         base_seed: int,
-        epoch: int,
         start: int,
         sampler_state: Any = None,
         sampler_done: bool = False,
     ) -> Iterator[Any]:
-        """An iterator over the task indices of ``epoch``, starting at task ``start``.
+        """An iterator over the task indices of the epoch seeded ``base_seed`` (the epoch's
+        order is its seed's alone), starting at task ``start``.
 
         For ``stateful`` samplers, ``sampler_state`` (if given) is loaded first and ``start``
         is the number of tasks already drawn in this epoch (their indices are in the state).

@@ -26,6 +26,9 @@ class LoaderStatistics:
         workers_alive: worker processes running now.
         worker_pids: the pid of each worker slot of the current iterator (or persistent pool),
             by worker id; -1 for a slot whose process is not running. Empty without workers.
+        worker_states: each slot's state, by worker id: ``"starting"`` (its process does not
+            run our code yet), ``"initializing"`` (in ``worker_init_fn``), ``"ready"``,
+            ``"dead"`` (being replaced) or ``"stopped"``.
     """
 
     batches: int = 0
@@ -40,6 +43,7 @@ class LoaderStatistics:
     wait_time_s: float = 0.0
     workers_alive: int = 0
     worker_pids: tuple[int, ...] = ()
+    worker_states: tuple[str, ...] = ()
 
 
 class Counters:
@@ -54,7 +58,9 @@ class Counters:
         self.skipped: list[list[Any]] = []  # [epoch, tid, indices]: also saved in the state
         self.wait_time_s = 0.0
 
-    def snapshot(self, worker_pids: tuple[int, ...]) -> LoaderStatistics:
+    def snapshot(
+        self, worker_pids: tuple[int, ...], worker_states: tuple[str, ...] = ()
+    ) -> LoaderStatistics:
         return LoaderStatistics(
             batches=self.batches,
             respawns=sum(self.respawns_by_cause.values()),
@@ -68,4 +74,5 @@ class Counters:
             wait_time_s=self.wait_time_s,
             workers_alive=sum(1 for pid in worker_pids if pid > 0),
             worker_pids=worker_pids,
+            worker_states=worker_states,
         )

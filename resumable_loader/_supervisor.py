@@ -44,9 +44,9 @@ import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
-from ._protocol import Booted, InitError, Ready, Result, Started, Stop
+from ._protocol import Booted, InitError, Ready, Result, Started, Stop, ToWorker
 from ._transport import Receiver
-from ._worker import WorkerSpec, worker_main
+from ._worker import WorkerError, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
 
@@ -256,6 +256,23 @@ class DeathReport(NamedTuple):
     was_ready: bool  # it had started (run worker_init_fn); a death before is a failed start
 
 
+class Arrived(NamedTuple):
+    """Event: a task's result from ``slot`` (events keep the order received)."""
+
+    slot: WorkerSlot
+    msg: Result
+
+
+class Died(NamedTuple):
+    """Event: ``slot``'s worker died or hung (and was killed); the slot is now DEAD."""
+
+    slot: WorkerSlot
+    report: DeathReport
+
+
+Event = Arrived | Died
+
+
 class WorkerSlot:
     """One worker id; its process changes on respawn, the slot stays."""
 
@@ -269,7 +286,7 @@ class WorkerSlot:
         self.outstanding: collections.deque[int] = collections.deque()
         self.busy_since = 0.0
         self.start_failures = 0
-        self.init_error: Any = None
+        self.init_error: WorkerError | None = None
         self.booted = False  # the current process has sent BOOTED
         self.start_since = 0.0  # when it was started, then when it sent BOOTED
         self.running: int | None = None  # the task it said it started out of order (STARTED)
@@ -281,6 +298,12 @@ class WorkerSlot:
     @property
     def ready(self) -> bool:
         return self.state == READY_STATE
+
+    def describe_state(self) -> str:
+        """For statistics: its state, a started worker's split by whether it runs our code."""
+        if self.state == STARTING:
+            return "initializing" if self.booted else "starting"
+        return self.state
 
     def __repr__(self) -> str:
         return (
@@ -319,7 +342,6 @@ class Supervisor:
         _register_fds(self._wake_r, self._wake_w)
         self._watch(self._wake_r, "wake", None)
         _ChildSignal.add(self._wake_w)
-        self._extra_fds: dict[int, str] = {}
         self._last_poll = time.monotonic()
         self.respawns_without_progress = 0
         self._warned_seeding = False
@@ -340,11 +362,9 @@ class Supervisor:
     def watch_extra(self, fd: int, name: str) -> None:
         """Also wake poll() when ``fd`` is readable (the pin thread's wake-up pipe)."""
         self._watch(fd, name, None)
-        self._extra_fds[fd] = name
 
     def unwatch_extra(self, fd: int) -> None:
         self._unwatch(fd)
-        self._extra_fds.pop(fd, None)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start_all(self) -> None:
@@ -481,7 +501,7 @@ class Supervisor:
         return exitcode
 
     # ---- I/O -----------------------------------------------------------------------------
-    def send(self, slot: WorkerSlot, msg: Any) -> bool:
+    def send(self, slot: WorkerSlot, msg: ToWorker) -> bool:
         """Send to a live slot; False if its pipe is broken (death is handled by poll())."""
         try:
             slot.task_conn.send(msg)
@@ -489,24 +509,21 @@ class Supervisor:
         except (BrokenPipeError, ConnectionResetError, OSError, AttributeError):
             return False
 
-    def poll(self, timeout_s: float | None) -> list[tuple[str, Any, Any]]:
-        """Wait up to ``timeout_s`` for messages and deaths.
+    def poll(self, timeout_s: float | None) -> list[Event]:
+        """Wait up to ``timeout_s`` for results and deaths; return them as events.
 
-        Returns a list of events, each a (kind, slot or name, data) triple:
-            ("msg", slot, RESULT message)   a task's result, in the order received
-            ("ready", slot, None)           the slot's worker finished starting
-            ("dead", slot, DeathReport)     it died or hung (it was killed); now DEAD
-            ("extra", fd name, None)        a watched extra fd (the pin thread) is readable
+        The other messages (BOOTED, READY, STARTED, INIT_ERROR) change the slot and make no
+        event; a watched extra fd (the pin thread's) only ends the wait: its owner drains it.
         """
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000 + 0.999))
         try:
             ready = self._poller.poll(ms)
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
             ready = []
-        events: list[tuple[str, Any, Any]] = []
+        events: list[Event] = []
         # slot -> (why, kill): "" when the exit status will say why
         dead: dict[WorkerSlot, tuple[str, bool]] = {}
-        readable = self._sort_ready(ready, dead, events)
+        readable = self._sort_ready(ready, dead)
         now = time.monotonic()
         if now - self._last_poll >= POLL_INTERVAL_S:
             self._last_poll = now
@@ -524,16 +541,15 @@ class Supervisor:
             if hang is not None and slot not in dead and now > hang[0]:
                 dead[slot] = (hang[1], True)
         for slot, (why, kill) in dead.items():
-            events.append(("dead", slot, self._report_death(slot, why, kill)))
+            events.append(Died(slot, self._report_death(slot, why, kill)))
         return events
 
     def _sort_ready(
         self,
         ready: list[tuple[int, int]],
         dead: dict[WorkerSlot, tuple[str, bool]],
-        events: list[tuple[str, Any, Any]],
     ) -> set[WorkerSlot]:
-        """Handle the wake-up pipe, sentinels and extra fds; return the slots with data."""
+        """Handle the wake-up pipe and sentinels; return the slots with data."""
         readable: set[WorkerSlot] = set()
         for fd, _ev in ready:
             entry = self._fds.get(fd)
@@ -551,8 +567,6 @@ class Supervisor:
             elif kind == "sentinel":
                 assert slot is not None
                 dead.setdefault(slot, ("", False))
-            elif kind in self._extra_fds.values():
-                events.append(("extra", kind, None))
         return readable
 
     def _report_death(self, slot: WorkerSlot, why: str, kill: bool) -> DeathReport:
@@ -576,7 +590,7 @@ class Supervisor:
         self,
         slot: WorkerSlot,
         dead: dict[WorkerSlot, tuple[str, bool]],
-        events: list[tuple[str, Any, Any]],
+        events: list[Event],
     ) -> None:
         """Turn what a slot's socket holds into events; note in ``dead`` if it is gone."""
         conn = slot.result_conn
@@ -595,7 +609,7 @@ class Supervisor:
         for msg in msgs:
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
-                events.append(("msg", slot, msg))
+                events.append(Arrived(slot, msg))
             elif isinstance(msg, Started):
                 slot.running = msg.tid
             elif isinstance(msg, Booted):
@@ -609,7 +623,6 @@ class Supervisor:
                 slot.start_failures = 0
                 slot.init_error = None
                 slot.busy_since = time.monotonic()
-                events.append(("ready", slot, None))
             elif isinstance(msg, InitError):
                 slot.init_error = msg.error
                 dead[slot] = ("failed to start", False)

@@ -126,7 +126,9 @@ class TaskSource(Protocol):
     def after_respawn(self, disp: Dispatcher, slot: WorkerSlot) -> list[tuple[int, Delivery]]:
         """Its replacement started: send it what it should do; deliveries decided here."""
 
-    def poisoned(self, disp: Dispatcher, slot: WorkerSlot) -> tuple[StreamNote | None, list[Any]]:
+    def poisoned(
+        self, disp: Dispatcher, slot: WorkerSlot
+    ) -> tuple[StreamNote | None, list[tuple[int, Delivery]]]:
         """A task of ``slot`` was given up: the poison item's note, and other deliveries."""
 
     def received(self, slot: WorkerSlot, msg: Result) -> StreamNote | None:
@@ -236,7 +238,9 @@ class MapTasks:
     def after_respawn(self, disp: Dispatcher, slot: WorkerSlot) -> list[tuple[int, Delivery]]:
         return []
 
-    def poisoned(self, disp: Dispatcher, slot: WorkerSlot) -> tuple[StreamNote | None, list[Any]]:
+    def poisoned(
+        self, disp: Dispatcher, slot: WorkerSlot
+    ) -> tuple[StreamNote | None, list[tuple[int, Delivery]]]:
         return None, []
 
     def received(self, slot: WorkerSlot, msg: Result) -> StreamNote | None:
@@ -327,7 +331,9 @@ class StreamTasks:
         # Resolve them here; a replacement would read the shard again.
         return self._end_held(disp, slot)
 
-    def poisoned(self, disp: Dispatcher, slot: WorkerSlot) -> tuple[StreamNote | None, list[Any]]:
+    def poisoned(
+        self, disp: Dispatcher, slot: WorkerSlot
+    ) -> tuple[StreamNote | None, list[tuple[int, Delivery]]]:
         # The shard cannot get past the poison batch: it ends there this epoch.
         self.received_at[slot.wid].exhausted = True
         return StreamNote(slot.wid, None, True), self._end_held(disp, slot)

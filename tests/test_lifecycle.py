@@ -95,6 +95,8 @@ def test_each_end_state_reports_and_raises_what_it_should(num_workers: int) -> N
         alive = loader.state_dict()
         assert (alive["epoch"], alive["consumed"]) == (0, 2)
         assert it.life is Life.OPEN
+        # every worker delivered a batch, so each one has started and is ready
+        assert loader.statistics().worker_states == ("ready",) * num_workers
         del it  # abandoned by dropping it: the position stays, the workers go
         assert loader.state_dict() == alive
         assert loader.statistics().workers_alive == 0

@@ -22,20 +22,20 @@ def test_builtin_sequential_positions_match_torch_batching(drop_last: bool, star
     bs = BatchSampler(SequentialSampler(ds), 3, drop_last)
     plan = IndexPlan(ds, bs.sampler, bs, True)
     assert plan.kind == BUILTIN
-    assert list(plan.epoch(0, 0, start)) == list(bs)[start:]
+    assert list(plan.batches(0, start)) == list(bs)[start:]
 
 
 def test_builtin_random_positions_are_o1_and_consistent() -> None:
     ds = list(range(50))
     bs = BatchSampler(RandomSampler(ds), 4, False)
     plan = IndexPlan(ds, bs.sampler, bs, True)
-    full = list(plan.epoch(99, 2, 0))
+    full = list(plan.batches(99, 0))
     assert sorted(i for b in full for i in b) == ds
-    assert list(plan.epoch(99, 2, 5)) == full[5:]
-    # An epoch's order is its seed's: another epoch (another seed) differs, the same seed in
-    # another epoch repeats it, as reseeding before torch's iter() does.
-    assert list(plan.epoch(100, 3, 0)) != full, "epochs must differ"
-    assert list(plan.epoch(99, 3, 0)) == full
+    assert list(plan.batches(99, 5)) == full[5:]
+    # An epoch's order is its seed's alone: another epoch (another seed) differs, and the same
+    # seed repeats it, as reseeding before torch's iter() does.
+    assert list(plan.batches(100, 0)) != full, "epochs must differ"
+    assert list(plan.batches(99, 0)) == full
 
 
 def test_sampler_kinds_are_classified() -> None:

@@ -21,6 +21,7 @@ from _datasets import RandomAugDataset, RangeData, collect_torch_reference_garba
 from _streams import Shard, StatefulShard
 
 from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
+from resumable_loader._supervisor import Died
 from resumable_loader.testing import (
     Fault,
     FaultyDataset,
@@ -479,7 +480,7 @@ def test_worker_init_error_is_reported_even_when_the_exit_is_seen_first() -> Non
         slot.proc.join(30)
         assert slot.proc.exitcode is not None, "the worker should have exited"
         events = sup.poll(0)
-        dead = [data for kind, s, data in events if kind == "dead" and s is slot]
+        dead = [e.report for e in events if isinstance(e, Died) and e.slot is slot]
         assert len(dead) == 1
         _pid, _code, cause, key, _was_ready = dead[0]
         assert (cause, key) == ("raised ValueError in worker_init_fn", "init_error")
