@@ -294,58 +294,66 @@ class SingleProcessIter(BaseIter):
         # replays the delivered fetches instead (seeded, hence exact).
         self._stateless = [False]
         if self._iterable:
-            fetcher = StreamFetcher(
-                setup.dataset,
-                setup.auto_collation,
-                setup.collate_fn,
-                setup.batch_size,
-                setup.drop_last,
-                exact_retry=setup.retry is not None,
-            )
-            self._fetcher: Any = fetcher
-            p.fetcher = fetcher
-            # As in workers: a retry resumes the step that raised, with the RNGs of then.
-            run = make_retrier(setup.retry, fetcher.before_retry, fetcher.can_retry)
-            self._run = run
-            wp = rp.workers[0] if rp else S.WorkerPosition()
-            resume: StreamResume | None = None
-            if wp.exhausted:
-                pass  # nothing more this epoch; start the next one from a fresh iterator
-            elif wp.dataset_state is not None or wp.delivered:
-                if wp.dataset_state is None:
-                    setup.warn_fast_forward(wp.delivered)
-                at = wp.state_at if wp.dataset_state is not None else 0
-                resume = StreamResume(wp.dataset_state, False, at, wp.delivered)
-            base = self._base
-
-            def replay(fn: Any, fetch_seed: int) -> Any:
-                seed_global_rngs(fetch_seed)
-                return run(fn)[0]
-
-            with GlobalRngGuard():
-                seed_datapipe(setup.dataset, base)
-                fetcher.start(resume, lambda k: derive_seed(STREAM, base, 0, k), replay)
-            p.k = wp.delivered
-            p.exhausted = wp.exhausted
-            p.tid = p.consumed
+            self._start_stream(setup, rp)
         else:
-            # The retry re-seeds with the task being fetched: read from ``p``, not ``self``,
-            # so that the iterator forms no reference cycle with its own retrier.
-            self._run = make_retrier(setup.retry, lambda: seed_global_rngs(p.seed))
-            self._fetcher = MapFetcher(setup.dataset, setup.auto_collation, setup.collate_fn)
-            self._fetcher.sample_seed = setup.sample_seed
-            if self._stateful_sampler and rp is not None:
-                p.source = plan.batches(self._base, rp.drawn, rp.sampler_state, rp.sampler_done)
-                self._owed = sorted(rp.outstanding)
-                p.tid = rp.drawn
-            else:
-                p.source = plan.batches(self._base, p.consumed)
-                p.tid = p.consumed
-            p.drawn = dict(self._owed)
+            self._start_map(setup, rp)
         self._cursor = Cursor(
             epoch, functools.partial(_single_position, epoch, plan, p, self._stateless)
         )
         self._finalizer = weakref.finalize(self, self._cursor.freeze)
+
+    def _start_stream(self, setup: EpochSetup, rp: S.ResumePoint | None) -> None:
+        p = self._p
+        fetcher = StreamFetcher(
+            setup.dataset,
+            setup.auto_collation,
+            setup.collate_fn,
+            setup.batch_size,
+            setup.drop_last,
+            exact_retry=setup.retry is not None,
+        )
+        self._fetcher: Any = fetcher
+        p.fetcher = fetcher
+        # As in workers: a retry resumes the step that raised, with the RNGs of then.
+        run = make_retrier(setup.retry, fetcher.before_retry, fetcher.can_retry)
+        self._run = run
+        wp = rp.workers[0] if rp else S.WorkerPosition()
+        resume: StreamResume | None = None
+        if wp.exhausted:
+            pass  # nothing more this epoch; start the next one from a fresh iterator
+        elif wp.dataset_state is not None or wp.delivered:
+            if wp.dataset_state is None:
+                setup.warn_fast_forward(wp.delivered)
+            at = wp.state_at if wp.dataset_state is not None else 0
+            resume = StreamResume(wp.dataset_state, False, at, wp.delivered)
+        base = self._base
+
+        def replay(fn: Any, fetch_seed: int) -> Any:
+            seed_global_rngs(fetch_seed)
+            return run(fn)[0]
+
+        with GlobalRngGuard():
+            seed_datapipe(setup.dataset, base)
+            fetcher.start(resume, lambda k: derive_seed(STREAM, base, 0, k), replay)
+        p.k = wp.delivered
+        p.exhausted = wp.exhausted
+        p.tid = p.consumed
+
+    def _start_map(self, setup: EpochSetup, rp: S.ResumePoint | None) -> None:
+        p = self._p
+        # The retry re-seeds with the task being fetched: read from ``p``, not ``self``,
+        # so that the iterator forms no reference cycle with its own retrier.
+        self._run = make_retrier(setup.retry, lambda: seed_global_rngs(p.seed))
+        self._fetcher = MapFetcher(setup.dataset, setup.auto_collation, setup.collate_fn)
+        self._fetcher.sample_seed = setup.sample_seed
+        if self._stateful_sampler and rp is not None:
+            p.source = self._plan.batches(self._base, rp.drawn, rp.sampler_state, rp.sampler_done)
+            self._owed = sorted(rp.outstanding)
+            p.tid = rp.drawn
+        else:
+            p.source = self._plan.batches(self._base, p.consumed)
+            p.tid = p.consumed
+        p.drawn = dict(self._owed)
 
     def _next_task(self) -> tuple[int, Any]:
         if self._owed:

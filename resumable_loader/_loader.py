@@ -85,6 +85,49 @@ class RetryPolicy:
             )
 
 
+def _check_our_args(
+    task_timeout: float | None,
+    max_task_attempts: int,
+    on_poison: str,
+    retry: RetryPolicy | None,
+    stream_state_every: int | None,
+    snapshot_every_n_steps: int | None,
+    seed_per_sample: bool,
+) -> int | None:
+    """Validate the arguments beyond torch's; return ``stream_state_every`` with torchdata's
+    ``snapshot_every_n_steps`` folded in."""
+    if task_timeout is not None and not task_timeout > 0:
+        raise ValueError(
+            f"task_timeout must be a positive number of seconds or None, got {task_timeout!r}"
+        )
+    if type(max_task_attempts) is not int or max_task_attempts < 1:
+        raise ValueError(f"max_task_attempts must be an int >= 1, got {max_task_attempts!r}")
+    if on_poison not in ("raise", "skip"):
+        raise ValueError(f"on_poison must be 'raise' or 'skip', got {on_poison!r}")
+    if snapshot_every_n_steps is not None:
+        # torchdata's name for the same thing: a migration is an import change.
+        if stream_state_every not in (None, snapshot_every_n_steps):
+            raise ValueError(
+                f"snapshot_every_n_steps={snapshot_every_n_steps!r} and stream_state_every="
+                f"{stream_state_every!r} disagree: they are two names for one setting; "
+                "pass one of them"
+            )
+        # torchdata's 0 means "no periodic snapshots": our adaptive default, which snapshots
+        # only as often as it is cheap and replays exactly in between.
+        stream_state_every = snapshot_every_n_steps or None
+    if stream_state_every is not None and (
+        type(stream_state_every) is not int or stream_state_every < 1
+    ):
+        raise ValueError(
+            f"stream_state_every must be an int >= 1 or None, got {stream_state_every!r}"
+        )
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TypeError(f"retry must be a resumable_loader.RetryPolicy or None, got {retry!r}")
+    if type(seed_per_sample) is not bool:
+        raise TypeError(f"seed_per_sample must be a bool, got {seed_per_sample!r}")
+    return stream_state_every
+
+
 class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     """A drop-in ``torch.utils.data.DataLoader`` with exact checkpoint/resume and
     self-healing workers.
@@ -172,40 +215,20 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         )
         if not _TORCH_HAS_IN_ORDER:
             self.in_order = in_order
-        if task_timeout is not None and not task_timeout > 0:
-            raise ValueError(
-                f"task_timeout must be a positive number of seconds or None, got {task_timeout!r}"
-            )
-        if type(max_task_attempts) is not int or max_task_attempts < 1:
-            raise ValueError(f"max_task_attempts must be an int >= 1, got {max_task_attempts!r}")
-        if on_poison not in ("raise", "skip"):
-            raise ValueError(f"on_poison must be 'raise' or 'skip', got {on_poison!r}")
-        if snapshot_every_n_steps is not None:
-            # torchdata's name for the same thing: a migration is an import change.
-            if stream_state_every not in (None, snapshot_every_n_steps):
-                raise ValueError(
-                    f"snapshot_every_n_steps={snapshot_every_n_steps!r} and stream_state_every="
-                    f"{stream_state_every!r} disagree: they are two names for one setting; "
-                    "pass one of them"
-                )
-            # torchdata's 0 means "no periodic snapshots": our adaptive default, which snapshots
-            # only as often as it is cheap and replays exactly in between.
-            stream_state_every = snapshot_every_n_steps or None
-        if stream_state_every is not None and (
-            type(stream_state_every) is not int or stream_state_every < 1
-        ):
-            raise ValueError(
-                f"stream_state_every must be an int >= 1 or None, got {stream_state_every!r}"
-            )
-        if retry is not None and not isinstance(retry, RetryPolicy):
-            raise TypeError(f"retry must be a resumable_loader.RetryPolicy or None, got {retry!r}")
+        stream_state_every = _check_our_args(
+            task_timeout,
+            max_task_attempts,
+            on_poison,
+            retry,
+            stream_state_every,
+            snapshot_every_n_steps,
+            seed_per_sample,
+        )
         self.task_timeout = task_timeout
         self.max_task_attempts = max_task_attempts
         self.on_poison = on_poison
         self.retry = retry
         self.stream_state_every = stream_state_every
-        if type(seed_per_sample) is not bool:
-            raise TypeError(f"seed_per_sample must be a bool, got {seed_per_sample!r}")
         self.seed_per_sample = seed_per_sample
         self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)
         self._counters = Counters()

@@ -18,38 +18,38 @@ from resumable_loader.testing import worker_pids
 
 
 class ShortSecondShard(IterableDataset):
-    """Worker 0 yields 0..5; worker 1 yields only 100, after a pause -- with batch_size=2 its
-    one batch is partial, so its shard is known to be drained when that batch arrives."""
+    """Worker 0 yields 0..5; worker 1 yields only 100 -- with batch_size=2 its one batch is
+    partial, so its shard is known to be drained when that batch arrives."""
 
     def __iter__(self):
         info = get_worker_info()
         if info is None or info.id == 0:
             yield from range(6)
         else:
-            time.sleep(0.2)
             yield 100
 
 
 # A regression found by the fuzzers in fuzz/.
 def test_killing_a_drained_stream_worker_replays_nothing() -> None:
     # Tasks 0, 2 go to worker 0 and 1, 3 to worker 1 (prefetch 2). Task 1 brings worker 1's
-    # partial, draining batch; task 3 (an END) is still outstanding when worker 1 is killed.
-    # A race (the END must still be unread when the kill is seen): one try shows it about
-    # two times in three, so up to 20 make it certain; the first failing try ends the test.
-    for _ in range(20):
-        loader = DataLoader(
-            ShortSecondShard(),
-            batch_size=2,
-            num_workers=2,
-            prefetch_factor=2,
-            multiprocessing_context="fork",
-        )
-        with loader:
-            it = iter(loader)
-            got = [next(it).tolist(), next(it).tolist()]
-            os.kill(worker_pids(loader)[1], signal.SIGKILL)
-            got += [b.tolist() for b in it]
-        assert got == [[0, 1], [100], [2, 3], [4, 5]]
+    # partial, draining batch; task 3 (an END) may still be outstanding when worker 1 is
+    # killed. Whether it is depends on what the main process had read; the decision for that
+    # case (replace the worker, end its tasks, read nothing again) is tested without a race in
+    # test_recovery.py::test_an_exhausted_stream_worker_is_replaced_but_its_tasks_end. Either
+    # way the stream is the uninterrupted one.
+    loader = DataLoader(
+        ShortSecondShard(),
+        batch_size=2,
+        num_workers=2,
+        prefetch_factor=2,
+        multiprocessing_context="fork",
+    )
+    with loader:
+        it = iter(loader)
+        got = [next(it).tolist(), next(it).tolist()]
+        os.kill(worker_pids(loader)[1], signal.SIGKILL)
+        got += [b.tolist() for b in it]
+    assert got == [[0, 1], [100], [2, 3], [4, 5]]
 
 
 class TwoItems(IterableDataset):
@@ -58,6 +58,10 @@ class TwoItems(IterableDataset):
 
 
 def slow_pin(batch):
+    # Pinning that takes a while (a large batch): while the first batch is pinned, the main
+    # process reads the next batch and the END fetch, which then wait in the pin thread's
+    # FIFO when the state is taken. Workload, not synchronisation: a faster pin only makes
+    # the test less sensitive, never wrong.
     time.sleep(0.2)
     return batch
 
