@@ -717,4 +717,5 @@ class MultiProcessIter(BaseIter):
     def check_invariants(self) -> None:
         r = self._reorder
         r.check_invariants()
+        self._sup.check_invariants()
         self._disp.check_invariants(lambda t: t < r.rcvd or t in r.ahead)

@@ -651,17 +651,19 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if sup is None:
             it = self._active()
             sup = it.supervisor if it is not None else None
-        slots = sup.slots if sup is not None else []
-        return self._counters.snapshot(
-            tuple(s.pid if s.alive else -1 for s in slots),
-            tuple(s.describe_state() for s in slots),
-        )
+        if sup is None:
+            return self._counters.snapshot((), ())
+        workers = sup.statistics()
+        return self._counters.snapshot(workers.pids, workers.states)
 
     def check_invariants(self) -> None:
-        """Assert the pipeline's invariants (for tests): reorder buffer and task table."""
+        """Assert the pipeline's invariants (for tests): reorder buffer, task table, and the
+        supervisor's slots."""
         it = self._active()
         if isinstance(it, MultiProcessIter) and it.is_open:
             it.check_invariants()
+        if self._pool is not None:
+            self._pool.check_invariants()
 
     # ---- teardown ------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,10 +1,10 @@
 """The supervisor: starts, watches, replaces and stops the worker processes.
 
   dispatcher ─TASK─► slot.task_conn ─► worker process ─► slot.result_conn ─► poll() ─► iterator
-                                              │ dies / hangs
+                                              │ dies / hangs                  Arrived(slot, Result)
     poll() waits on ─ every result socket     ▼
-                    ─ every process sentinel     "dead" event ─► iterator re-sends the slot's
-                    ─ a SIGCHLD wake-up pipe                     outstanding tasks, respawn()
+                    ─ every process sentinel     Died(slot, DeathReport) ─► recovery decides;
+                    ─ a SIGCHLD wake-up pipe       it calls respawn(), the task source re-sends
                     ─ (timeout) liveness polling + task_timeout
 
 Detection is by waiting, not guessing: a sentinel becomes readable when the process exits; a
@@ -20,9 +20,10 @@ Slot states (one object per worker id, kept across respawns):
 A STARTING worker sends BOOTED when it starts running our code; with task_timeout set, it is
 hung if worker_init_fn then runs longer than task_timeout, or if BOOTED has not come
 within max(task_timeout, BOOT_TIMEOUT_S) of the start.
-Invariants: a slot in STARTING/READY has a live process and registered fds; a DEAD or STOPPED
-slot has neither; ``outstanding`` lists the task ids sent to the slot and not yet received, in
-send order.
+Invariants (``check_invariants``): a slot in STARTING/READY has a process and watched fds; a
+DEAD or STOPPED slot has neither; ``outstanding`` lists the task ids sent to the slot and not
+yet received, in send order, each once. ``statistics()``: processes started, deaths reported
+(and hangs killed), and each slot's pid and state.
 """
 
 from __future__ import annotations
@@ -273,6 +274,23 @@ class Died(NamedTuple):
 Event = Arrived | Died
 
 
+class SupervisorStatistics(NamedTuple):
+    """What a supervisor has done since it was built.
+
+    ``starts`` counts every process started (first starts and replacements); ``deaths`` every
+    death it reported, of which ``killed`` were hangs it killed itself; ``pids`` and
+    ``states`` are per worker id (pid -1 when no process runs; states as
+    ``WorkerSlot.describe_state``).
+    """
+
+    starts: int
+    deaths: int
+    killed: int
+    respawns_without_progress: int
+    pids: tuple[int, ...]
+    states: tuple[str, ...]
+
+
 class WorkerSlot:
     """One worker id; its process changes on respawn, the slot stays."""
 
@@ -344,6 +362,7 @@ class Supervisor:
         _ChildSignal.add(self._wake_w)
         self._last_poll = time.monotonic()
         self.respawns_without_progress = 0
+        self._starts = self._deaths = self._killed = 0
         self._warned_seeding = False
         self.closed = False
 
@@ -410,6 +429,7 @@ class Supervisor:
         # The child has its copies now; ours would keep the pipes open after it dies.
         task_r.close()
         result_w.close()
+        self._starts += 1
         slot.proc = proc
         slot.pid = proc.pid or -1
         slot.task_conn = task_w
@@ -574,6 +594,8 @@ class Supervisor:
         pid = slot.pid
         was_ready = slot.state == READY_STATE
         exitcode = self.mark_dead(slot, kill=kill)
+        self._deaths += 1
+        self._killed += kill
         if why.startswith("hung"):
             cause, key = why, "hang"
         elif why == "failed to start":
@@ -658,6 +680,33 @@ class Supervisor:
             if hang is not None:
                 deadline = min(deadline, hang[0] + 0.001)
         return max(deadline, now)
+
+    # ---- checks and figures --------------------------------------------------------------
+    def statistics(self) -> SupervisorStatistics:
+        return SupervisorStatistics(
+            starts=self._starts,
+            deaths=self._deaths,
+            killed=self._killed,
+            respawns_without_progress=self.respawns_without_progress,
+            pids=tuple(s.pid if s.alive else -1 for s in self.slots),
+            states=tuple(s.describe_state() for s in self.slots),
+        )
+
+    def check_invariants(self) -> None:
+        """Assert the slot invariants of the module docstring (for tests)."""
+        watched = set(self._fds)
+        for slot in self.slots:
+            if slot.alive:
+                assert slot.proc is not None and slot.task_conn is not None, slot
+                assert slot.result_conn is not None, slot
+                assert slot.result_conn.fileno() in watched, f"{slot}: socket not watched"
+                assert slot.proc.sentinel in watched, f"{slot}: sentinel not watched"
+            else:
+                assert slot.proc is None, f"{slot}: a process kept after its death"
+                assert slot.task_conn is None and slot.result_conn is None, slot
+            assert len(set(slot.outstanding)) == len(slot.outstanding), slot
+        if self.closed:
+            assert all(s.state == STOPPED for s in self.slots)
 
     def shutdown(self) -> None:
         """Stop every worker and release every fd; safe to call twice, and from finalizers."""

@@ -489,6 +489,37 @@ def test_worker_init_error_is_reported_even_when_the_exit_is_seen_first() -> Non
         sup.shutdown()
 
 
+# ---- the supervisor's own figures and invariants ---------------------------------------------
+def test_supervisor_counts_starts_and_deaths_and_keeps_its_slot_invariants() -> None:
+    loader = DataLoader(RandomAugDataset(8), batch_size=4, num_workers=2)
+    sup = loader._make_supervisor(0)
+    try:
+        sup.start_all()
+        sup.check_invariants()
+        victim = sup.slots[0]
+        victim.proc.kill()
+        victim.proc.join(30)  # the process is gone; the supervisor has not looked yet
+        died = []
+        for _ in range(100):  # each poll waits for the sentinel, so this is bounded, not a spin
+            died += [e for e in sup.poll(1.0) if isinstance(e, Died) and e.slot is victim]
+            if died:
+                break
+        assert len(died) == 1 and died[0].report.key == "signal:SIGKILL"
+        sup.check_invariants()  # a DEAD slot holds no process and no fd
+        stats = sup.statistics()
+        assert (stats.starts, stats.deaths, stats.killed) == (2, 1, 0)
+        assert stats.pids[0] == -1 and stats.states[0] == "dead"
+        sup.respawn(victim)
+        sup.check_invariants()
+        stats = sup.statistics()
+        assert stats.starts == 3 and stats.states[0] in ("starting", "initializing", "ready")
+        assert stats.pids[0] == victim.pid > 0
+    finally:
+        sup.shutdown()
+    sup.check_invariants()
+    assert sup.statistics().states == ("stopped", "stopped")
+
+
 # ---- workers hung before their first task: in worker_init_fn, or while booting -----------------
 class HangOnFirstStart:
     """A ``worker_init_fn`` that hangs the first worker start (a stuck network mount, say)."""
