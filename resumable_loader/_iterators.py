@@ -83,7 +83,6 @@ class EpochSetup:
     fork_lock: threading.Lock  # held by the pin thread while pinning; taken around forks
     gen: int  # the epoch's generation, stamped on its messages to and from workers
     length: Callable[[], int]  # len(loader)
-    warn_fast_forward: Callable[[int], None]
     make_supervisor: Callable[[], Supervisor]
     drop_pool: Callable[[], None]  # a broken epoch's persistent workers are not reused
 
@@ -322,8 +321,6 @@ class SingleProcessIter(BaseIter):
         if wp.exhausted:
             pass  # nothing more this epoch; start the next one from a fresh iterator
         elif wp.dataset_state is not None or wp.delivered:
-            if wp.dataset_state is None:
-                setup.warn_fast_forward(wp.delivered)
             at = wp.state_at if wp.dataset_state is not None else 0
             resume = StreamResume(wp.dataset_state, False, at, wp.delivered)
         base = self._base
@@ -576,7 +573,7 @@ class MultiProcessIter(BaseIter):
     ) -> TaskSource:
         """The epoch's tasks: a stream's shards, or the sampler's batches from ``start``."""
         if self._iterable:
-            return StreamTasks(n, rp, setup.warn_fast_forward)
+            return StreamTasks(n, rp)
         owed: list[tuple[int, Any]] = []
         if self._stateful_sampler and rp is not None:
             indices = self._plan.batches(self._base, rp.drawn, rp.sampler_state, rp.sampler_done)

@@ -271,6 +271,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
         it: BaseIter
         try:
+            self._warn_fast_forward(rp)
             setup = self._epoch_setup(epoch)
             if self.num_workers == 0:
                 it = SingleProcessIter(setup, rp)
@@ -318,7 +319,6 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             fork_lock=self._fork_lock,
             gen=self._pool_gen,
             length=self.__len__,
-            warn_fast_forward=self._warn_fast_forward,
             make_supervisor=functools.partial(self._make_supervisor, epoch),
             drop_pool=self._drop_pool,
         )
@@ -380,7 +380,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             warnings.warn(
                 "pin_memory_device is deprecated, the current accelerator will be used as the "
                 f"device,ignore pin_memory_device='{self.pin_memory_device}'.",
-                stacklevel=3,
+                stacklevel=4,
             )
         acc = getattr(torch, "accelerator", None)
         available = acc.is_available() if acc is not None else torch.cuda.is_available()
@@ -388,7 +388,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             warnings.warn(
                 "'pin_memory' argument is set as true but no accelerator is found, then device "
                 "pinned memory won't be used.",
-                stacklevel=3,
+                stacklevel=4,
             )
             return None
         return pin_memory
@@ -432,11 +432,20 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._pool = None
         self._pool_finalizer = None
 
-    def _warn_fast_forward(self, n: int) -> None:
-        if self._warned_ff or S.has_state(self.dataset):
+    def _warn_fast_forward(self, rp: S.ResumePoint | None) -> None:
+        """Called by ``__iter__``: say once that resuming a stream without state replays it."""
+        if self._warned_ff or rp is None or S.has_state(self.dataset):
             # A dataset with state that had no snapshot yet (stream_state_every > 1): the
             # replay is bounded by the snapshot interval, as documented; nothing to warn of.
             return
+        replayed = [
+            w.delivered
+            for w in rp.workers
+            if w.dataset_state is None and w.delivered and not w.exhausted
+        ]
+        if not replayed:
+            return
+        n = replayed[0]
         self._warned_ff = True
         warnings.warn(
             f"resuming an iterable dataset without state_dict()/load_state_dict(): the stream is "
@@ -444,7 +453,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             "Implement state_dict() and load_state_dict() on the dataset (or its iterator) to "
             "resume in O(1).",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
 
     # ---- state ---------------------------------------------------------------------------

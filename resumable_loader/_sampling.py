@@ -144,8 +144,10 @@ class IndexPlan:
         sampler_state: Any = None,
         sampler_done: bool = False,
     ) -> Iterator[Any]:
-        """An iterator over the task indices of the epoch seeded ``base_seed`` (the epoch's
-        order is its seed's alone), starting at task ``start``.
+        """An iterator over the task indices of the epoch seeded ``base_seed``, starting at task
+        ``start``. For torch's own and fast-forwarded samplers the order is the seed's alone; a
+        DistributedSampler's depends on its epoch and levels (``dist_position``), a stateful
+        sampler's on its own state.
 
         For ``stateful`` samplers, ``sampler_state`` (if given) is loaded first and ``start``
         is the number of tasks already drawn in this epoch (their indices are in the state).
@@ -154,7 +156,7 @@ class IndexPlan:
             IndexError: ``start`` lies beyond the end of a ``fastforward`` sampler's epoch.
         """
         if self.kind == ITERABLE:
-            return _forever()
+            raise TypeError("an iterable dataset has no sampler order: its tasks are fetches")
         if self.kind == STATEFUL:
             if sampler_state is not None:
                 self._stateful_obj.load_state_dict(sampler_state)
@@ -237,11 +239,6 @@ class _SeededDraws(Iterator[Any]):
         finally:
             self._rng = glob.get_state()
             glob.set_state(saved)
-
-
-def _forever() -> Iterator[None]:
-    while True:
-        yield None
 
 
 class _BuiltinEpoch(Iterator[Any]):

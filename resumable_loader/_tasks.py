@@ -151,8 +151,9 @@ class MapTasks:
 
     Args:
         plan: the loader's index plan (a stateful sampler's state is read from it).
-        indices: the epoch's batches of indices, from ``start`` on.
-        start: the first task id to draw.
+        indices: the epoch's batches of indices, from the first new task on (``start``, or
+            for a resumed stateful sampler the number of tasks it had drawn).
+        start: the tasks consumed before this iterator: the first turn is ``start mod n``.
         n: the number of workers.
         seen: ``tid -> bool``, already delivered (a state taken with ``in_order=False``).
         stateful: a stateful sampler: its drawn, unconsumed tasks are part of the state.
@@ -270,15 +271,11 @@ class StreamTasks:
     Args:
         n: the number of workers.
         rp: the position to resume from (None: the epoch's start).
-        warn_fast_forward: ``count -> None``, called for a shard that resumes by replaying
-            ``count`` fetches (its dataset has no state of its own).
     """
 
     unit = "fetches"
 
-    def __init__(
-        self, n: int, rp: ResumePoint | None, warn_fast_forward: Callable[[int], None]
-    ) -> None:
+    def __init__(self, n: int, rp: ResumePoint | None) -> None:
         saved = rp.workers if rp is not None else []
         self.delivered_at = [
             ShardPosition.of(saved[w]) if w < len(saved) else ShardPosition() for w in range(n)
@@ -287,9 +284,6 @@ class StreamTasks:
         self.next_fetch = [p.fetched for p in self.delivered_at]
         self.cycle = rp.next_worker if rp is not None else 0
         self.done = False
-        for p in self.delivered_at:
-            if not p.state and p.fetched and not p.exhausted:
-                warn_fast_forward(p.fetched)
 
     def begin(self, disp: Dispatcher) -> None:
         pass  # a shard's position travels in its worker's Epoch message

@@ -20,7 +20,7 @@ def test_a_death_is_blamed_on_the_task_the_worker_was_running() -> None:
 
     slot = WorkerSlot(1)
     # A stream's tasks stay on the dead slot (for its replacement): what on_death reports.
-    tasks = StreamTasks(2, None, lambda count: None)
+    tasks = StreamTasks(2, None)
     disp = Dispatcher(SimpleNamespace(slots=[slot]), tasks, 3, 0, lambda: 0)
     for tid in (3, 5, 2):  # task 2 was re-sent to this worker after 3 and 5
         disp.tasks[tid] = Task(tid, [tid], worker=1)

@@ -442,6 +442,8 @@ def test_pin_memory_without_accelerator_matches_torch(workers: int) -> None:
         warnings.simplefilter("always")
         got = list(Ours(**_kwargs(*args, pin_memory=True)))
     assert _pin_warnings(ours_w) == _pin_warnings(theirs_w)
+    # and ours points at the caller's line, not into the library
+    assert {w.filename for w in ours_w if "pin_memory" in str(w.message)} == {__file__}
     assert_same_stream(got, expected)
 
 

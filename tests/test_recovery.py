@@ -11,7 +11,7 @@ import pytest
 
 from resumable_loader import WorkerCrashError
 from resumable_loader._dispatch import Dispatcher
-from resumable_loader._protocol import Epoch, Status, TaskMsg
+from resumable_loader._protocol import Epoch, Result, Status, TaskMsg
 from resumable_loader._recovery import POISON, SKIPPED, Recovery, torch_words
 from resumable_loader._stats import Counters
 from resumable_loader._supervisor import DEAD, READY_STATE, STARTING, DeathReport, WorkerSlot
@@ -55,7 +55,7 @@ def pipeline(
     sup = FakeSupervisor(n_workers, storm_after)
     tasks: TaskSource
     if iterable:
-        tasks = StreamTasks(n_workers, None, lambda count: None)
+        tasks = StreamTasks(n_workers, None)
     else:
         indices = iter([[2 * k, 2 * k + 1] for k in range(10)])
         tasks = MapTasks(None, indices, 0, n_workers, lambda tid: False, False)  # type: ignore[arg-type]
@@ -217,6 +217,28 @@ def test_an_exhausted_stream_worker_is_replaced_but_its_tasks_end() -> None:
     ]
     assert [type(m) for _, m in sup.sent] == [Epoch]  # told the epoch, but nothing re-sent
     assert not disp.tasks.keys() & {1, 3}
+
+
+def test_a_stream_worker_killed_after_its_draining_batch_reads_its_shard_no_more() -> None:
+    # The end-to-end case of tests/test_streams.py without its race: worker 1's partial batch
+    # (task 1) arrives marked drained; it dies still holding task 3 (an END it never sent).
+    sup, disp, recovery, _ = pipeline(iterable=True)
+    tasks = disp.source
+    assert isinstance(tasks, StreamTasks)
+    w1 = sup.slots[1]
+    assert list(w1.outstanding) == [1, 3]
+    assert disp.on_result(w1, 1) is not None
+    tasks.received(w1, Result(0, 1, Status.OK, [100], None, 0, True))
+    sup.sent.clear()
+    out = recovery.on_death(w1, die(sup, w1))
+    assert out.fatal is None and sup.respawned == [1]
+    assert out.deliver == [(3, (END, None, (1, None, True)))]
+    # The replacement is told the epoch with nothing to resume or replay, and is sent nothing.
+    assert [(w, type(m)) for w, m in sup.sent] == [(1, Epoch)]
+    assert sup.sent[0][1].resume is None
+    disp.fill()
+    assert all(w == 0 for w, m in sup.sent if isinstance(m, TaskMsg))
+    disp.check_invariants(lambda tid: tid == 1)
 
 
 def test_torchs_words_for_each_kind_of_death() -> None:

@@ -35,8 +35,8 @@ def test_killing_a_drained_stream_worker_replays_nothing() -> None:
     # partial, draining batch; task 3 (an END) may still be outstanding when worker 1 is
     # killed. Whether it is depends on what the main process had read; the decision for that
     # case (replace the worker, end its tasks, read nothing again) is tested without a race in
-    # test_recovery.py::test_an_exhausted_stream_worker_is_replaced_but_its_tasks_end. Either
-    # way the stream is the uninterrupted one.
+    # test_recovery.py (test_a_stream_worker_killed_after_its_draining_batch_reads_its_shard_
+    # no_more). Either way the stream is the uninterrupted one.
     loader = DataLoader(
         ShortSecondShard(),
         batch_size=2,
