@@ -59,7 +59,7 @@ class Counters:
         self.wait_time_s = 0.0
 
     def snapshot(
-        self, worker_pids: tuple[int, ...], worker_states: tuple[str, ...] = ()
+        self, worker_pids: tuple[int, ...], worker_states: tuple[str, ...]
     ) -> LoaderStatistics:
         return LoaderStatistics(
             batches=self.batches,
