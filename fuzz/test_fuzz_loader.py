@@ -21,7 +21,7 @@ Rules:
   (``os._exit`` can only happen inside the worker);
 * ``checkpoint``: ``state_dict()`` through dict, ``dump_state`` bytes, torch.save
   (``weights_only`` load) or json, then continue from it -- in a freshly built loader with
-  another generator (for map-style datasets, often with other num_workers / prefetch /
+  another generator, after the global RNG was reseeded and drawn from (for map-style datasets, often with other num_workers / prefetch /
   persistence / start method) or in the same loader via ``load_state_dict``;
 * ``rewind``: go back to an earlier checkpoint, in a fresh loader;
 * ``new_epoch``: ``iter(loader)`` again, abandoning the rest of the epoch where the next epoch
@@ -561,7 +561,9 @@ class _LoaderModel(RuleBasedStateMachine):
         self.trace[-1] += f" -> {kind} {value}"
         F.arm(self.arm_dir, kind, value)
 
-    def _resume(self, sd: dict[str, Any], at: Position, fresh: bool, opts: Opts) -> None:
+    def _resume(
+        self, sd: dict[str, Any], at: Position, fresh: bool, opts: Opts, other_seed: int = 0
+    ) -> None:
         if fresh:
             old, self.it = self.loader, None
             self._tally(old)
@@ -570,9 +572,12 @@ class _LoaderModel(RuleBasedStateMachine):
             self.loader = None
             self.opts = opts
             self.generation += 1
-            # Built as the first was, its generator too: the state decides the saved epoch,
-            # and how far that generator is advanced for the epochs after it.
-            self.loader = self._build(opts)
+            # As a restarted process builds it: the global RNG moved on, and another generator
+            # (another seed in the script): the state decides the saved epoch and every later
+            # one.
+            torch.manual_seed(other_seed)
+            torch.rand(other_seed % 7 + 1)
+            self.loader = self._build(opts, seed=other_seed)
         self.loader.load_state_dict(sd)
         self.it = iter(self.loader)
         self.pos = at.next_epoch() if at.stopped else replace(at)
@@ -600,7 +605,8 @@ class _LoaderModel(RuleBasedStateMachine):
                     opts_strategy(min_workers=self.min_workers, spawn=self.spawn), label="opts"
                 )
             self.trace[-1] += f" -> {opts!r}"
-        self._resume(sd, at, fresh, opts)
+        other = data.draw(st.integers(0, 2**31), label="resumed generator seed") if fresh else 0
+        self._resume(sd, at, fresh, opts, other)
 
     def do_rewind(self, data: st.DataObject) -> None:
         if not self.checkpoints:
@@ -608,7 +614,8 @@ class _LoaderModel(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.checkpoints) - 1), label="checkpoint")
         sd, at = self.checkpoints[i]
         self.trace[-1] += f" -> checkpoint {i} at {at.epoch}/{at.consumed}"
-        self._resume(sd, at, True, self.opts)
+        other = data.draw(st.integers(0, 2**31), label="resumed generator seed")
+        self._resume(sd, at, True, self.opts, other)
 
     def _can_abandon(self) -> bool:
         """Whether the next epoch is well defined when this one is left unfinished."""

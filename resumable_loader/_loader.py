@@ -34,13 +34,15 @@ from ._errors import CheckpointError, LoaderClosedError
 from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
 from ._lifecycle import Cursor
 from ._pin import pin_memory
+from ._samplers import BatchSampler as OurBatchSampler
+from ._samplers import RandomSampler as OurRandomSampler
 from ._sampling import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STATEFUL, IndexPlan
 from ._seeding import (
     DIST_SEED,
     SAMPLE,
     WORKER,
+    SeedChain,
     derive_seed,
-    draw_base_seed,
 )
 from ._stats import Counters, LoaderStatistics
 from ._supervisor import Supervisor
@@ -230,13 +232,15 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self.retry = retry
         self.stream_state_every = stream_state_every
         self.seed_per_sample = seed_per_sample
+        chain = self._own_samplers(sampler, batch_sampler)
         self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)
+        if chain is None:
+            chain = SeedChain(self._generator(), rooted=self._plan.kind != DISTRIBUTED)
+        self._chain: SeedChain = chain
         self._counters = Counters()
-        # The seed of the latest epoch begun, drawn at its iter() as torch draws its base seed;
-        # and how many seeds were drawn from the loader's own generator so far (a resumed
-        # loader advances its generator as far, so later epochs draw what they drew).
+        # The seed of the latest epoch begun; self._chain (above) is where the next epochs'
+        # seeds come from (its state is in every state_dict(): later epochs are the saved job's).
         self._seed = 0
-        self._draws = 0
         self._next_epoch = 0
         self._resume: S.ResumePoint | None = None
         self._active: Callable[[], BaseIter | None] = lambda: None
@@ -251,6 +255,32 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._warned_ff = False
         self._force_pin_fn: Callable[[Any], Any] | None = None  # tests: pin without a GPU
 
+    def _own_samplers(self, sampler: Any, batch_sampler: Any) -> SeedChain | None:
+        """Hand out samplers that carry the loader's seed chain (``_samplers``), and return
+        that chain; or the chain of one of ours the caller passed in; else None.
+
+        Where torch made a ``RandomSampler`` itself (``shuffle=True``), ours replaces it and its
+        ``BatchSampler``, so a loader another library rebuilds around them resumes through
+        that library's own state.
+        """
+        passed = batch_sampler.sampler if isinstance(batch_sampler, OurBatchSampler) else sampler
+        if isinstance(passed, OurRandomSampler):
+            return passed.chain
+        if (
+            sampler is not None
+            or batch_sampler is not None
+            or type(self.sampler) is not torch.utils.data.RandomSampler
+        ):
+            return None
+        chain = SeedChain(self.generator)
+        ours = OurRandomSampler(self.dataset, chain=chain)  # type: ignore[arg-type]
+        # torch's __setattr__ refuses these once __init__ is done: set them as it would have.
+        object.__setattr__(self, "sampler", ours)
+        if self.batch_sampler is not None:
+            batches = OurBatchSampler(ours, self.batch_size, self.drop_last)  # type: ignore[arg-type]
+            object.__setattr__(self, "batch_sampler", batches)
+        return chain
+
     # ---- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Any:
         if self._closed:
@@ -262,7 +292,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if self._plan.kind == DISTRIBUTED:
             self._seed = self._distributed_epoch(rp)
         else:
-            self._seed = rp.seed if rp is not None and rp.seed is not None else self._draw_seed()
+            self._seed = (
+                rp.seed if rp is not None and rp.seed is not None else self._chain.next_seed()
+            )
         old = self._active()
         if old is not None and self.persistent_workers and old.is_open:
             old.abandon(
@@ -361,15 +393,6 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if gen is None and type(self.sampler) is torch.utils.data.RandomSampler:
             gen = self.sampler.generator
         return gen
-
-    def _draw_seed(self) -> int:
-        """A new epoch's seed, drawn as torch draws its base seed at each ``iter()``: so
-        ``torch.manual_seed(s)`` (or ``generator.manual_seed(s)``) before an epoch gives the
-        same epoch again."""
-        gen = self._generator()
-        if gen is not None:
-            self._draws += 1
-        return draw_base_seed(gen)
 
     def _pin_fn(self) -> Callable[[Any], Any] | None:
         if self._force_pin_fn is not None:
@@ -521,7 +544,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 rp.sampler_epoch, rp.history = self._plan.dist_position
             else:
                 rp.sampler_epoch = self._plan.sampler.epoch
-        rp.draws = self._draws
+        rp.chain = None if self._plan.kind == DISTRIBUTED else self._chain.state()
         rp.skipped = [list(x) for x in self._counters.skipped]
         return rp.to_state(self._config)
 
@@ -642,13 +665,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             # Its workers carry datasets advanced by prefetching and seeds of the old state:
             # resume as a freshly built loader would.
             self._drop_pool()
-        gen = self._generator()
-        if gen is not None:
-            # Advance the generator as far as the saved loader had drawn from it, so that the
-            # epochs after the resumed one draw the seeds the uninterrupted run drew.
-            for _ in range(rp.draws - self._draws):
-                draw_base_seed(gen)
-            self._draws = max(self._draws, rp.draws)
+        if rp.chain is not None:
+            # The saved job's seed chain wins over this loader's generator and the global RNG:
+            # the epochs after the resumed one are the saved job's.
+            self._chain.load(rp.chain)
         self._resume = rp
         self._next_epoch = rp.epoch
         self._counters.skipped = [[e, t, S.plain_indices(i)] for e, t, i in rp.skipped]

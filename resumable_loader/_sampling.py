@@ -32,8 +32,15 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from . import _distributed as D
+from ._samplers import BatchSampler as _OurBatchSampler
+from ._samplers import RandomSampler as _OurRandomSampler
+from ._samplers import shuffle_order
 from ._schema import has_state
 from ._seeding import SAMPLER, derive_seed
+
+# torch's batching and orders, and ours (the loader's own, which carry its seed chain).
+_BATCHERS = (BatchSampler, _OurBatchSampler)
+_ORDERS = (SequentialSampler, RandomSampler, _OurRandomSampler)
 
 BUILTIN = "builtin"
 STATEFUL = "stateful"
@@ -69,10 +76,11 @@ class IndexPlan:
         # Whose state_dict() holds the position: the index sampler, or the sampler inside
         # torch's own BatchSampler (which only groups consecutive draws).
         self._stateful_obj: Any = None
-        if not isinstance(dataset, IterableDataset):
+        ours = type(index_sampler) in (_OurBatchSampler, _OurRandomSampler)
+        if not isinstance(dataset, IterableDataset) and not ours:
             if has_state(index_sampler):
                 self._stateful_obj = index_sampler
-            elif auto_collation and type(batch_sampler) is BatchSampler and has_state(sampler):
+            elif auto_collation and type(batch_sampler) in _BATCHERS and has_state(sampler):
                 self._stateful_obj = sampler
         if isinstance(dataset, IterableDataset):
             self.kind = ITERABLE
@@ -81,8 +89,8 @@ class IndexPlan:
             self.kind = STATEFUL
             self.description = f"stateful:{_qualname(self._stateful_obj)}"
         else:
-            builtin_batching = not auto_collation or type(batch_sampler) is BatchSampler
-            if auto_collation and type(batch_sampler) is BatchSampler:
+            builtin_batching = not auto_collation or type(batch_sampler) in _BATCHERS
+            if auto_collation and type(batch_sampler) in _BATCHERS:
                 inner = batch_sampler.sampler
             if builtin_batching and D.is_torch_distributed_sampler(inner):
                 self.kind = DISTRIBUTED
@@ -91,7 +99,7 @@ class IndexPlan:
                     f"distributed(shuffle={inner.shuffle}, seed={inner.seed}, "
                     f"drop_last={inner.drop_last})"
                 )
-            elif builtin_batching and type(inner) in (SequentialSampler, RandomSampler):
+            elif builtin_batching and type(inner) in _ORDERS:
                 self.kind = BUILTIN
                 if type(inner) is SequentialSampler:
                     self.description = "sequential"
@@ -102,7 +110,7 @@ class IndexPlan:
             else:
                 self.kind = FASTFORWARD
                 self.description = f"fastforward:{_qualname(index_sampler)}"
-                if auto_collation and type(batch_sampler) is BatchSampler:
+                if auto_collation and type(batch_sampler) in _BATCHERS:
                     self.description += f"({_qualname(inner)})"
         self._inner = inner
         # DISTRIBUTED: the sampler epoch and the levels' history of the epoch being iterated,
@@ -194,20 +202,9 @@ class IndexPlan:
         inner = self._inner
         if type(inner) is SequentialSampler:
             return len(inner.data_source)
-        n = len(inner.data_source)
-        num_samples = inner.num_samples
-        g = torch.Generator()
-        g.manual_seed(derive_seed(SAMPLER, base_seed))
-        if inner.replacement:
-            return torch.randint(
-                high=n, size=(num_samples,), dtype=torch.int64, generator=g
-            ).numpy()
-        parts = [torch.randperm(n, generator=g) for _ in range(num_samples // n)]
-        if num_samples % n:
-            parts.append(torch.randperm(n, generator=g)[: num_samples % n])
-        if not parts:
-            return np.empty(0, dtype=np.int64)
-        return torch.cat(parts).numpy()
+        return shuffle_order(
+            len(inner.data_source), inner.num_samples, inner.replacement, base_seed
+        )
 
 
 class _SeededDraws(Iterator[Any]):

@@ -12,8 +12,10 @@ is json-able) and msgpack (``dump_state``). Keys:
     config                the configuration the state is valid for (refused on mismatch)
     seed                  the epoch's seed, every other seed of the epoch derives from it;
                           None when the epoch has not begun (drawn at its ``iter()``)
-    generator_draws       seeds drawn so far from the loader's generator (a resumed loader
-                          draws as many first, so later epochs get the same seeds)
+    seed_chain            where the next epochs' seeds come from: {root, next} (a root drawn
+                          when the loader was built; epoch n's seed derives from it) or
+                          {generator} (the loader's generator's state, base64). None under
+                          torch's DistributedSampler (its seed and epoch decide)
     epoch                 the epoch to continue (or start)
     consumed              batches of that epoch the user has consumed, in order
     delivered_ahead       task ids > consumed already delivered (in_order=False)
@@ -39,17 +41,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import CheckpointError
+from ._seeding import check_chain
 
 FORMAT = "resumable_loader.DataLoader"
-# 2: the seed is the epoch's, drawn at each iter() (1: one seed per loader, hashed with the
-# epoch). A version-1 state would resume with other shuffles, so it is refused.
-VERSION = 2
+# 3: the seed chain (the source of every later epoch's seed) is part of the state, so later
+# epochs no longer depend on the resumed process's RNGs. 2: the epoch's seed was drawn at each
+# iter() from the generator or the global RNG, which a version-2 state does not hold: its later
+# epochs cannot be honoured, so it is refused (as is version 1, one seed per loader).
+VERSION = 3
 
 K_FORMAT = "format"
 K_VERSION = "version"
 K_CONFIG = "config"
 K_SEED = "seed"
-K_DRAWS = "generator_draws"
+K_CHAIN = "seed_chain"
 K_DIST = "distributed"
 K_EPOCH = "epoch"
 K_CONSUMED = "consumed"
@@ -68,7 +73,7 @@ KNOWN_KEYS = (
     K_VERSION,
     K_CONFIG,
     K_SEED,
-    K_DRAWS,
+    K_CHAIN,
     K_DIST,
     K_SKIPPED,
     K_EPOCH,
@@ -141,7 +146,7 @@ class ResumePoint:
 
     seed: int | None
     epoch: int
-    draws: int = 0
+    chain: dict[str, Any] | None = None
     consumed: int = 0
     ahead: frozenset[int] = frozenset()
     sampler_state: Any = None
@@ -165,7 +170,7 @@ class ResumePoint:
             K_VERSION: VERSION,
             K_CONFIG: dict(config),
             K_SEED: self.seed,
-            K_DRAWS: self.draws,
+            K_CHAIN: self.chain,
             K_SKIPPED: [[e, t, plain_indices(i)] for e, t, i in self.skipped],
             K_EPOCH: self.epoch,
             K_CONSUMED: self.consumed,
@@ -272,22 +277,15 @@ def _int(sd: dict[str, Any], key: str, *, minimum: int = 0) -> int:
     return v
 
 
-# A resumed loader draws this many seeds from its generator (one per epoch begun): a bound
-# far above any real run keeps a damaged count from stalling load_state_dict().
-MAX_DRAWS = 1_000_000
-
-
-def _draws(sd: dict[str, Any]) -> int:
-    if K_DRAWS not in sd:
-        return 0
-    n = _int(sd, K_DRAWS)
-    if n > MAX_DRAWS:
-        raise _fail(
-            K_DRAWS,
-            f"{n} seeds drawn from the generator (one per epoch begun; at most {MAX_DRAWS})",
-            "the state is damaged",
-        )
-    return n
+def _chain(sd: dict[str, Any], distributed: bool) -> dict[str, Any] | None:
+    chain = sd.get(K_CHAIN)
+    if chain is None and distributed:
+        return None  # the DistributedSampler's seed and epoch decide every epoch's seed
+    problem = check_chain(chain)
+    if problem is not None:
+        raise _fail(K_CHAIN, problem, "the state is damaged")
+    assert isinstance(chain, dict)
+    return dict(chain)
 
 
 def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> ResumePoint:
@@ -299,7 +297,7 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     rp = ResumePoint(
         seed=None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED),
         epoch=_int(sd, K_EPOCH),
-        draws=_draws(sd),
+        chain=_chain(sd, str(config["sampler"]).startswith("distributed(")),
         stateful=stateful_sampler,
         iterable=config["dataset_kind"] == "iterable",
         source=sd,
@@ -324,7 +322,33 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     if str(config["sampler"]).startswith("distributed("):
         _read_distributed(sd, rp)
     rp.skipped = _read_skipped(sd)
+    _check_begun(rp)
     return rp
+
+
+def _check_begun(rp: ResumePoint) -> None:
+    """A state whose epoch has progress must carry that epoch's seed: the order of what is left
+    (and the values of its batches) derive from it, and no other seed continues it exactly."""
+    if rp.seed is not None:
+        return
+    progress = []
+    if rp.consumed:
+        progress.append(f"{K_CONSUMED}={rp.consumed}")
+    if rp.ahead:
+        progress.append(f"{K_AHEAD}={sorted(rp.ahead)[:5]}")
+    if rp.stateful and (rp.drawn or rp.outstanding or rp.sampler_done):
+        progress.append(f"{K_DRAWN}={rp.drawn}")
+    if any(w.delivered or w.exhausted for w in rp.workers):
+        progress.append(f"{K_WORKERS}[].delivered={[w.delivered for w in rp.workers][:8]}")
+    if rp.history:
+        progress.append("distributed.history is not empty")
+    if progress:
+        raise _fail(
+            K_SEED,
+            f"None (the epoch has not begun), but the state is inside epoch {rp.epoch} "
+            f"({', '.join(progress)})",
+            "the state is damaged: only the seed it was taken with continues that epoch",
+        )
 
 
 def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:

@@ -1,11 +1,10 @@
 """Seed derivation: every random draw the loader makes is a pure function of the epoch's seed.
 
-Each epoch's seed is drawn at its ``iter()`` -- from ``generator`` (the loader's, or that of
-torch's own RandomSampler) or else torch's global RNG, as torch draws its base seed -- so
-``torch.manual_seed(s)`` before an epoch gives that epoch again. The state records the seed of
-the epoch it is in (a resume continues that epoch whatever the RNGs say) and how many seeds
-were drawn from the generator (a resumed loader draws as many first, so later epochs match).
-Every other seed is derived from the epoch's seed by hashing:
+Each epoch's seed comes from the loader's ``SeedChain`` (below): drawn at ``iter()`` from the
+loader's ``generator`` as torch draws its base seed, or -- without one -- derived from a root
+drawn once from torch's global RNG when the loader is built. The chain's state is part of the
+loader's state, so a resumed job's later epochs are the saved job's whatever the resumed
+process's RNGs hold. Every other seed is derived from the epoch's seed by hashing:
 
 * the epoch's shuffle (or a custom sampler's draws): derive(SAMPLER, seed)
 * worker ``w``'s process seed:                        derive(WORKER, seed, w)
@@ -20,6 +19,7 @@ which worker ran it, whether that worker was respawned, or how many workers ther
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import hashlib
 import random
@@ -47,14 +47,62 @@ def derive_seed(domain: int, *parts: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def seed_global_rngs(seed: int) -> None:
+def seed_global_rngs(seed: int, *, keep_initial_seed: bool = True) -> None:
     """Seed python ``random``, numpy's global RNG and torch's CPU generator with ``seed``.
 
     Only the CPU generator: seeding CUDA from a data worker would initialise CUDA there.
+
+    With ``keep_initial_seed`` (the default), ``torch.initial_seed()`` goes on reporting what
+    it reported before: the draws are the task's, the seed a user reads is theirs (the one a
+    ``worker_init_fn`` set, or the worker's own). The generator's state and the seed it reports
+    are separate fields of that state, so both can hold.
     """
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
-    torch.random.default_generator.manual_seed(seed)
+    gen = torch.random.default_generator
+    if keep_initial_seed and _seed_field_ok():
+        reported = gen.initial_seed()
+        tmpl = _template()
+        tmpl.manual_seed(seed)
+        state = tmpl.get_state()
+        state[:8] = torch.frombuffer(bytearray(struct.pack("<Q", reported)), dtype=torch.uint8)
+        gen.set_state(state)
+    else:
+        gen.manual_seed(seed)
+
+
+_tmpl: torch.Generator | None = None
+_seed_field: bool | None = None
+
+
+def _template() -> torch.Generator:
+    global _tmpl
+    if _tmpl is None:
+        _tmpl = torch.Generator()
+    return _tmpl
+
+
+def _seed_field_ok() -> bool:
+    """Whether a CPU generator's state starts with its seed as 8 little-endian bytes, so that
+    the seed it reports can be set apart from its draws (checked once, on private generators;
+    another layout keeps torch's plain ``manual_seed``)."""
+    global _seed_field
+    if _seed_field is None:
+        try:
+            a, b = torch.Generator(), torch.Generator()
+            a.manual_seed(0x1234_5678_9ABC)
+            st = a.get_state()
+            ok = bytes(st[:8].tolist()) == struct.pack("<Q", 0x1234_5678_9ABC)
+            if ok:
+                st[:8] = torch.frombuffer(bytearray(struct.pack("<Q", 77)), dtype=torch.uint8)
+                b.set_state(st)
+                ok = b.initial_seed() == 77 and torch.equal(
+                    torch.rand(4, generator=a), torch.rand(4, generator=b)
+                )
+            _seed_field = ok
+        except Exception:
+            _seed_field = False
+    return _seed_field
 
 
 def capture_rngs() -> tuple[object, object, torch.Tensor]:
@@ -234,3 +282,129 @@ def draw_base_seed(generator: torch.Generator | None) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & (
         (1 << 63) - 1
     )
+
+
+CHAIN = 7  # an epoch's seed from the chain's root: derive(CHAIN, root, n)
+
+# The keys of a seed chain's plain state (see ``SeedChain.state``).
+CHAIN_ROOT = "root"
+CHAIN_NEXT = "next"
+CHAIN_GENERATOR = "generator"
+
+
+class SeedChain:
+    """Where each epoch's seed comes from: the loader's whole future randomness in one object
+    whose state is plain data.
+
+    Two modes:
+
+    * **generator** (the loader was given a ``generator``, or torch's ``RandomSampler`` holds
+      one): each ``iter()`` draws the epoch's seed from it, as torch draws its base seed, so
+      ``generator.manual_seed(s)`` before an epoch repeats it. The state is the generator's
+      state, and loading it sets the generator: later epochs draw what they drew.
+    * **root** (no generator): one root is drawn from torch's global RNG when the loader is
+      built (as torchdata's sampler draws its seed), and epoch n of the chain gets
+      ``derive(CHAIN, root, n)``. Training steps that draw from the global RNG change nothing,
+      and neither does the seed of a restarted script: the state is (root, n). A *reseed* seen
+      at ``iter()`` -- the global generator is exactly in the state ``manual_seed`` leaves, and
+      was not when the loader last looked -- starts a new chain from a root drawn right then, so
+      ``torch.manual_seed(s)`` just before ``iter()`` repeats the epoch, as with torch. A reseed
+      followed by other draws before ``iter()`` is not seen (docs/differences.md).
+
+    ``state()`` is what the next ``iter()`` draws from; ``state_before()`` is what the current
+    epoch's ``iter()`` drew from (a sampler whose epoch is re-iterated after a load needs it).
+    """
+
+    __slots__ = ("_before", "_next", "_root", "_seen_state", "generator")
+
+    def __init__(self, generator: torch.Generator | None, *, rooted: bool = True) -> None:
+        self.generator = generator
+        self._root: int | None = None
+        self._next = 0
+        self._seen_state: torch.Tensor | None = None
+        self._before: dict[str, Any] | None = None
+        if generator is None and rooted:
+            self._root = draw_base_seed(None)
+            self._look()
+
+    def _look(self) -> None:
+        self._seen_state = torch.random.default_generator.get_state()
+
+    def _reseeded(self) -> bool:
+        """Whether torch's global RNG was reseeded since this chain last looked: it is exactly
+        in the state ``manual_seed`` leaves, and was not so then. Draws (a training step) and
+        ``set_rng_state`` (a trainer restoring the RNG with the model) are not reseeds."""
+        gen = torch.random.default_generator
+        now = gen.get_state()
+        if self._seen_state is not None and torch.equal(now, self._seen_state):
+            return False
+        fresh = _template()
+        fresh.manual_seed(gen.initial_seed())
+        return torch.equal(now, fresh.get_state())
+
+    def next_seed(self) -> int:
+        """The seed of the epoch an ``iter()`` begins now."""
+        self._before = self.state()
+        if self.generator is not None:
+            return draw_base_seed(self.generator)
+        if self._root is None or self._reseeded():
+            self._root, self._next = draw_base_seed(None), 0
+            self._before = self.state()
+        seed = derive_seed(CHAIN, self._root, self._next)
+        self._next += 1
+        self._look()
+        return seed
+
+    def state(self) -> dict[str, Any]:
+        """What the next ``next_seed()`` draws from, as plain data."""
+        if self.generator is not None:
+            raw = bytes(self.generator.get_state().numpy().tobytes())
+            return {CHAIN_GENERATOR: base64.b64encode(raw).decode("ascii")}
+        if self._root is None:
+            self._root = draw_base_seed(None)
+            self._look()
+        return {CHAIN_ROOT: self._root, CHAIN_NEXT: self._next}
+
+    def state_before(self) -> dict[str, Any]:
+        """What the latest ``next_seed()`` drew from (``state()`` if none was drawn)."""
+        return dict(self._before) if self._before is not None else self.state()
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (validated by ``check_chain``): it wins over this chain's
+        generator, root and whatever the global RNG holds."""
+        if CHAIN_GENERATOR in state:
+            raw = base64.b64decode(state[CHAIN_GENERATOR])
+            if self.generator is None:
+                # The saved job drew from a generator this loader was not given: keep drawing
+                # from one in that state, so the later epochs are the saved job's.
+                self.generator = torch.Generator()
+            self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        else:
+            self.generator = None  # the saved job's chain, not this loader's generator
+            self._root, self._next = state[CHAIN_ROOT], state[CHAIN_NEXT]
+        self._before = None
+        self._look()
+
+
+def check_chain(state: Any) -> str | None:
+    """What is wrong with a seed chain's plain state, or None if it can be loaded."""
+    if not isinstance(state, dict):
+        return f"expected a dict, got {type(state).__name__}"
+    if set(state) == {CHAIN_GENERATOR}:
+        text = state[CHAIN_GENERATOR]
+        if not isinstance(text, str) or len(text) > 16384:
+            return "the generator state must be a base64 string"
+        try:
+            raw = base64.b64decode(text, validate=True)
+            torch.Generator().set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        except Exception as exc:
+            return f"the generator state is not a CPU generator's ({type(exc).__name__})"
+        return None
+    if set(state) == {CHAIN_ROOT, CHAIN_NEXT}:
+        root, n = state[CHAIN_ROOT], state[CHAIN_NEXT]
+        if type(root) is not int or not 0 <= root < 2**63:
+            return f"root must be an int in [0, 2**63), got {root!r:.40}"
+        if type(n) is not int or not 0 <= n < 2**62:
+            return f"next must be an int in [0, 2**62), got {n!r:.40}"
+        return None
+    return f"expected {{root, next}} or {{generator}}, got keys {sorted(map(str, state))[:6]}"

@@ -238,8 +238,8 @@ def _warn_seeding() -> None:
     warnings.warn(
         "worker_init_fn called torch.manual_seed(): the loader seeds python's random, numpy and "
         "torch again before every batch, from (epoch seed, batch), so that a batch has the same "
-        "values after a resume whichever worker loads it. That seeding overrides yours while "
-        "batches are loaded (torch.initial_seed() in __getitem__ is the batch's seed). To choose "
+        "values after a resume whichever worker loads it. That seeding overrides your draws while "
+        "batches are loaded (torch.initial_seed() still reports your seed). To choose "
         "the randomness, seed the loader instead: DataLoader(..., "
         "generator=torch.Generator().manual_seed(s)).",
         RuntimeWarning,

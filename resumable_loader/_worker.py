@@ -571,7 +571,7 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
         return
     seeded = False
     try:
-        seed_global_rngs(spec.worker_seed)
+        seed_global_rngs(spec.worker_seed, keep_initial_seed=False)
         _set_worker_info(spec)
         shard_datapipe(spec.dataset, wid, spec.num_workers)
         if spec.init_fn is not None:

@@ -834,9 +834,10 @@ class InitialSeed(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("init", [None, _seeding_init], ids=["no-init", "seeding-init"])
-def test_a_worker_init_fn_that_seeds_is_told_it_is_overridden(init) -> None:
-    # torch's loader lets worker_init_fn's torch.manual_seed stand; ours re-seeds every batch
-    # (exact values after a resume), which overrides it: said once, not silently.
+def test_a_worker_init_fn_that_seeds_keeps_its_seed_and_is_told_draws_are_per_batch(init) -> None:
+    # torch.initial_seed() in a worker reads as in torch: the seed worker_init_fn set, else the
+    # worker's own (get_worker_info().seed). The draws are re-seeded per batch (exact values
+    # after a resume), which overrides the user's seeding: said once, not silently.
     loader = Ours(
         InitialSeed(),
         batch_size=None,
@@ -849,7 +850,21 @@ def test_a_worker_init_fn_that_seeds_is_told_it_is_overridden(init) -> None:
         seeds = list(loader)
     told = [w for w in caught if "worker_init_fn called torch.manual_seed()" in str(w.message)]
     assert len(told) == (1 if init else 0)
-    assert 12345 not in seeds  # each batch runs under its own seed, the override warned of
+    if init:
+        assert seeds == [12345] * len(seeds)
+    else:
+        # Two workers, each reporting its own seed for every batch it loaded (i mod 2).
+        assert len(set(seeds)) == 2 and seeds[0::2] == [seeds[0]] * len(seeds[0::2])
+    draws = list(Ours(_DrawAndSeed(), batch_size=None, num_workers=2, worker_init_fn=init))
+    assert len({d for d, _ in draws}) == len(draws), "the draws are not per batch"
+
+
+class _DrawAndSeed(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[float, int]:
+        return float(torch.rand(1)), torch.initial_seed()
 
 
 # 5. errors

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resumable_loader._schema import KNOWN_KEYS, ResumePoint, WorkerPosition
+from resumable_loader._seeding import SeedChain
 from resumable_loader.testing import roundtrip_state, same_state
 
 ints = st.integers(min_value=0, max_value=10**6)
@@ -22,6 +24,12 @@ plain = st.recursive(
     ),
     max_leaves=8,
 )
+
+
+# A seed chain: a root and the next epoch's number, or a CPU generator's state.
+chains = st.builds(
+    lambda root, n: {"root": root, "next": n}, st.integers(0, 2**63 - 1), st.integers(0, 2**40)
+) | st.integers(0, 2**63 - 1).map(lambda s: SeedChain(torch.Generator().manual_seed(s)).state())
 
 
 @st.composite
@@ -42,6 +50,7 @@ def positions(draw: Any) -> tuple[ResumePoint, dict[str, Any]]:
     rp = ResumePoint(
         seed=draw(st.integers(0, 2**63 - 1)),
         epoch=draw(ints),
+        chain=draw(chains),
         consumed=consumed,
         stateful=kind == "stateful",
         iterable=kind == "iterable",
