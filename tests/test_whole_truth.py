@@ -284,3 +284,36 @@ class _InitialSeed(torch.utils.data.Dataset):
 
 def _seed_12345(worker_id: int) -> None:
     torch.manual_seed(12345)
+
+
+# One worker count: each run is a new process importing accelerate (seconds); torchdata's
+# num_workers=0 path is covered in-process above.
+@pytest.mark.parametrize("workers", [2])
+def test_accelerate_rebuilding_our_loader_resumes_exactly_in_a_new_process(
+    tmp_path: Path, workers: int
+) -> None:
+    # accelerate's prepare() with use_stateful_dataloader=True throws our loader away and builds
+    # torchdata's over our batch sampler; save_state()/load_state() then carry that loader's
+    # state, and with it our sampler's: the resumed run (a new process, resuming in epoch 1)
+    # trains exactly the uninterrupted run's samples, epoch 2 included.
+    pytest.importorskip("accelerate")
+    pytest.importorskip("torchdata.stateful_dataloader")
+    script = str(Path(__file__).with_name("_accelerate_job.py"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+    def run(**spec: Any) -> None:
+        spec = dict(spec, workers=workers, ckpt=str(tmp_path / "ckpt"), stop=[1, 2])
+        subprocess.run(
+            [sys.executable, script, json.dumps(spec)],
+            env=env,
+            check=True,
+            timeout=180,
+            capture_output=True,
+        )
+
+    run(phase="ref", seed=0, out=str(tmp_path / "ref.jsonl"))
+    run(phase="save", seed=0, out=str(tmp_path / "got.jsonl"))
+    run(phase="resume", seed=31, noise=17, out=str(tmp_path / "got.jsonl"))
+    ref, got = _lines(tmp_path / "ref.jsonl"), _lines(tmp_path / "got.jsonl")
+    assert len(ref) == 24
+    assert got == ref
