@@ -136,10 +136,10 @@ def check_resume(
 ) -> int:
     """Check that saving at each step and resuming in a fresh loader continues exactly.
 
-    ``make_loader`` must build identical loaders (give it a seeded ``generator``). The resumed
-    loader (``make_resumed``) may differ in ``num_workers`` and the like; with another
-    generator only the saved epoch is the same (the state carries its seed), later epochs draw
-    from the new generator, as torch draws at each ``iter()``.
+    ``make_loader`` must build identical loaders (give it a seeded ``generator``, or seed
+    torch's global RNG before building it). The resumed loader (``make_resumed``) may differ in
+    ``num_workers``, ``generator`` and the like: the state carries the seed chain, so every
+    later epoch is the saved job's.
 
     The reference is one uninterrupted run of ``epochs`` epochs. For each save point -- every
     batch of every epoch, after the last batch but before StopIteration, and after
