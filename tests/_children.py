@@ -11,8 +11,10 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,80 @@ def run_child(script: Path, *args: str, killed: bool) -> str:
             proc.wait(timeout=30)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)  # anything of the group still there
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    script: Path, *args: str, world: int, killed: bool, env: dict[str, str] | None = None
+) -> list[str]:
+    """Run ``world`` copies of the script as the ranks of one job (torch's environment
+    variables, a gloo rendezvous on a free local port), each in its own process group; return
+    their outputs in rank order.
+
+    ``killed``: every rank must end by SIGKILL, and then its orphaned workers must exit by
+    themselves. Whatever happens, nothing of the groups is left running.
+    """
+    port = str(free_port())
+    procs = []
+    # Files, not pipes: a rank blocked on a full pipe would hang the other in a collective.
+    files = [tempfile.TemporaryFile("w+") for _ in range(world)]  # noqa: SIM115 (closed below)
+    try:
+        for rank in range(world):
+            renv = dict(_child_env(), **(env or {}))
+            renv.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), *args],
+                    stdout=files[rank],
+                    stderr=subprocess.STDOUT,
+                    env=renv,
+                    start_new_session=True,
+                    text=True,
+                )
+            )
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        outs = []
+        for f in files:
+            f.seek(0)
+            outs.append(f.read())
+        expected = -signal.SIGKILL if killed else 0
+        for rank, (p, out) in enumerate(zip(procs, outs)):
+            assert p.returncode == expected, (
+                f"rank {rank} of {' '.join(args)}: exit status {p.returncode}, expected "
+                f"{expected}\n{out[-6000:]}"
+            )
+        if killed:
+            deadline = time.monotonic() + ORPHAN_EXIT_S
+            while (
+                left := [pid for p in procs for pid in _group_members(p.pid)]
+            ) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not left, f"orphaned workers still running {ORPHAN_EXIT_S}s later: {left}"
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for f in files:
+            f.close()
 
 
 def read_steps(log: Path) -> list[tuple[int, int, list[int]]]:
