@@ -13,6 +13,8 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ pytest.importorskip("accelerate", reason="the accelerate integration needs accel
 pytest.importorskip("transformers", reason="the Trainer integration needs transformers")
 
 import torch
-from _children import run_ranks
+from _children import _child_env, run_ranks
 from accelerate import Accelerator
 from accelerate.data_loader import skip_first_batches
 from torch.utils.data import DataLoader as TorchDataLoader
@@ -253,3 +255,16 @@ def test_resumable_trainer_two_processes_sigkilled_resume_exactly(tmp_path: Path
     """Two gloo ranks (``TrainingArguments`` reads torch's environment variables), killed after
     step 4 (epoch 1), resumed: every rank's steps and the weights as uninterrupted."""
     kill_and_resume(tmp_path, "trainer", "map", 4, workers=1, world=2)
+
+
+def test_importing_the_package_imports_no_framework() -> None:
+    """The integrations are optional: ``import resumable_loader`` (which installs the rebuild
+    warning from ``integrations._rebuilt``) imports neither accelerate nor transformers."""
+    code = (
+        "import sys, resumable_loader, resumable_loader.integrations; "
+        "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_child_env(), check=True
+    )
+    assert out.stdout.strip() == "[]", out
