@@ -37,7 +37,8 @@ from resumable_loader.integrations.accelerate import _placing, prepare_data_load
 
 JOBS = Path(__file__).with_name("_hf_jobs.py")
 # The job's shape (``_hf_jobs``): batches of 4 out of 22 items or a 40-item stream, 3 epochs.
-# Steps of a whole run, over all ranks (the Trainer's stream runs max_steps=9).
+# Steps of a whole run: over all ranks for a map dataset, per rank for a stream (each rank
+# reads its own 40 items per epoch); the Trainer's stream runs max_steps=9.
 STEPS = {
     ("accelerate", "map"): 18,
     ("accelerate", "stream"): 30,
@@ -105,7 +106,8 @@ def kill_and_resume(
     run = job(tmp, which, "run", -1, True, data, workers, world)
     for r in range(world):
         assert_same_rows(read_rows(run, r), read_rows(ref, r), f"{which} {data} rank {r}")
-    assert len(read_rows(ref)) == STEPS[which, data] // world
+    # A map epoch is shared by the ranks; each rank reads a whole stream of its own.
+    assert len(read_rows(ref)) == STEPS[which, data] // (world if data == "map" else 1)
     weights = Path(f"{run}.weights").read_text()
     assert weights == Path(f"{ref}.weights").read_text(), "the same final weights, bit for bit"
     if world == 1:
@@ -134,10 +136,14 @@ def test_accelerate_prepare_data_loader_sigkilled_mid_epoch_resumes_exactly(
 
 
 @pytest.mark.slow
-def test_accelerate_two_processes_sigkilled_mid_epoch_resume_exactly(tmp_path: Path) -> None:
-    """Two gloo ranks: each takes its DistributedSampler share; both killed after step 4 (of 9:
-    3 per epoch per rank), resumed; every rank's steps and the weights as uninterrupted."""
-    kill_and_resume(tmp_path, "accelerate", "map", 4, workers=1, world=2)
+@pytest.mark.parametrize(("data", "kill_at"), [("map", 4), ("stream", 13)])
+def test_accelerate_two_processes_sigkilled_mid_epoch_resume_exactly(
+    tmp_path: Path, data: str, kill_at: int
+) -> None:
+    """Two gloo ranks: each takes its DistributedSampler share (map: 3 steps per epoch per
+    rank) or reads its own part of the stream (10 steps per epoch); both killed in epoch 1,
+    resumed; every rank's steps and the weights as uninterrupted."""
+    kill_and_resume(tmp_path, "accelerate", data, kill_at, workers=1, world=2)
 
 
 def test_plain_prepare_of_our_loader_warns_once_naming_the_call_to_use(tmp_path: Path) -> None:
@@ -251,10 +257,14 @@ def test_resumable_trainer_stateful_stream_sigkilled_resumes_without_rereading(
 
 
 @pytest.mark.slow
-def test_resumable_trainer_two_processes_sigkilled_resume_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data", ["map", "stream"])
+def test_resumable_trainer_two_processes_sigkilled_resume_exactly(
+    tmp_path: Path, data: str
+) -> None:
     """Two gloo ranks (``TrainingArguments`` reads torch's environment variables), killed after
-    step 4 (epoch 1), resumed: every rank's steps and the weights as uninterrupted."""
-    kill_and_resume(tmp_path, "trainer", "map", 4, workers=1, world=2)
+    step 4 (map: epoch 1 of 3 steps per rank; stream: 4 of max_steps=9), resumed: every rank's
+    steps and the weights as uninterrupted."""
+    kill_and_resume(tmp_path, "trainer", data, 4, workers=1, world=2)
 
 
 def test_importing_the_package_imports_no_framework() -> None:
