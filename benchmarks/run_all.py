@@ -38,6 +38,7 @@ SCRIPTS = {
     "gpu_pin": "bench_gpu_pin.py",
     "timeline": "bench_timeline.py",
     "workers": "bench_workers.py",
+    "trainer_resume": "bench_trainer_resume.py",
 }
 # Run at their default size unless --quick (the others run --quick unless --full): the
 # throughput table is the headline, and the two charts for the front page take ~1 min together.

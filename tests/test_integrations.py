@@ -23,15 +23,11 @@ an exception or Ctrl-C in the loop body; for Lightning: a ``max_steps`` budget, 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,20 +37,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets
-import psutil
 import pytest
 import torch
+from _children import assert_same_steps, read_steps, run_child
 
-import resumable_loader
 from resumable_loader import DataLoader
 from resumable_loader.testing import canonical, kill_at, kill_worker, roundtrip_state
-
-# A child's wait limit: a Lightning process starts in ~3 s, a loaded 2-core box can be slower.
-CHILD_TIMEOUT_S = 180
-# A worker whose main process was SIGKILLed notices within a second (docs/guarantees.md);
-# allow for load.
-ORPHAN_EXIT_S = 15.0
-
 
 # ---- Hugging Face datasets --------------------------------------------------------------------
 HF_ITEMS = 48
@@ -408,92 +396,12 @@ PL_STEPS = PL_EPOCHS * PL_STEPS_PER_EPOCH
 NOT_RESUMABLE = "your dataloader is not resumable"
 
 
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    # The child imports the very resumable_loader this process tests.
-    here = str(Path(resumable_loader.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [here, env.get("PYTHONPATH")] if p)
-    return env
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes in process group ``pgid``."""
-    out = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                out.append(p.pid)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return out
-
-
-def run_child(script: Path, *args: str, killed: bool) -> str:
-    """Run the script in its own process group; return its output.
-
-    ``killed``: it must end by SIGKILL, and then its orphaned workers must exit by themselves.
-    Whatever happens, nothing of the group is left running.
-    """
-    proc = subprocess.Popen(
-        [sys.executable, str(script), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=_child_env(),
-        start_new_session=True,  # its own process group: the workers inherit it
-        text=True,
-    )
-    pgid = proc.pid
-    try:
-        out, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
-        expected = -signal.SIGKILL if killed else 0
-        assert proc.returncode == expected, (
-            f"{' '.join(args)}: exit status {proc.returncode}, expected {expected}\n{out[-6000:]}"
-        )
-        if killed:
-            # A worker whose main process died exits within a second; poll the process table
-            # until it is empty (a condition, not a sleep standing in for one).
-            deadline = time.monotonic() + ORPHAN_EXIT_S
-            while (left := _group_members(pgid)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not left, f"orphaned workers still running {ORPHAN_EXIT_S}s later: {left}"
-        return out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)  # anything of the group still there
-
-
-def read_steps(log: Path) -> list[tuple[int, int, list[int]]]:
-    """(global step, epoch, sample ids) per line of a training log."""
-    if not log.exists():
-        return []
-    rows = [json.loads(line) for line in log.read_text().splitlines()]
-    return [(r["step"], r["epoch"], r["ids"]) for r in rows]
-
-
 def loader_state_in(ckpt: Path) -> dict[str, Any]:
     """The state Lightning stored for our loader. Plain data: ``weights_only=True`` loads it."""
     sd = torch.load(ckpt, weights_only=True)
     states = sd["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert len(states) == 1 and states[0]["format"] == "resumable_loader.DataLoader", states
     return states[0]
-
-
-def assert_same_steps(got: list[Any], ref: list[Any], where: str, out: str = "") -> None:
-    """Each global step trained on the batch the uninterrupted run trained on at that step:
-    none repeated, none skipped."""
-    a = [(s, ids) for s, _, ids in got]
-    b = [(s, ids) for s, _, ids in ref]
-    if a != b:
-        k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        raise AssertionError(
-            f"{where}: {len(a)} steps recorded, the uninterrupted run has {len(b)}; first "
-            f"difference at row {k}: got {got[k : k + 3]} expected {ref[k : k + 3]} "
-            f"((step, epoch, ids)); all rows got {got}\n{out[-1500:]}"
-        )
 
 
 @pytest.fixture(scope="module")
