@@ -51,12 +51,6 @@ from ._distributed import merge_rank_states  # noqa: E402
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
 from ._loader import DataLoader, RetryPolicy  # noqa: E402
 from ._stats import LoaderStatistics  # noqa: E402
-from .integrations._rebuilt import watch_rebuilds as _watch_rebuilds  # noqa: E402
-
-# Says so, once per loader, when accelerate rebuilds one of our loaders as its own (see
-# integrations/_rebuilt.py). Installed here while _loader.py is being reworked; it belongs in
-# the class body.
-_watch_rebuilds(DataLoader)
 
 __version__ = "0.1.0"
 

@@ -49,6 +49,7 @@ from ._supervisor import Supervisor
 from ._worker import (
     WorkerSpec,
 )
+from .integrations._rebuilt import watched_multiprocessing_context
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -166,6 +167,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     Methods beyond torch's: ``state_dict()``, ``load_state_dict()``, ``statistics()``,
     ``close()`` and context-manager use.
     """
+
+    # torch's property, plus a warning (once per loader) when accelerate reads it to rebuild
+    # this loader as its own (integrations/_rebuilt.py).
+    multiprocessing_context = watched_multiprocessing_context()
 
     def __init__(
         self,

@@ -80,10 +80,7 @@ def _set(self: Any, value: Any) -> None:
     _TORCH_PROPERTY.fset(self, value)
 
 
-def watch_rebuilds(cls: type) -> None:
-    """Give ``cls`` (our DataLoader) the ``multiprocessing_context`` property that warns once
-    per loader when accelerate reads it to rebuild the loader. torch's getter and setter (its
-    validation included) are kept."""
-    cls.multiprocessing_context = property(  # type: ignore[attr-defined]
-        _get, _set, doc=_TORCH_PROPERTY.__doc__
-    )
+def watched_multiprocessing_context() -> property:
+    """torch's ``multiprocessing_context`` property (its getter, setter and validation) with a
+    getter that warns once per loader when accelerate reads it to rebuild the loader."""
+    return property(_get, _set, doc=_TORCH_PROPERTY.__doc__)
