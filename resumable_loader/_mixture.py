@@ -15,8 +15,8 @@ a position. Two layers:
   number of sources)) of ``n * weight``. The phases are drawn from the seed.
 * **Passes** (which index). The ``c``-th sample drawn from a source of length ``L`` is item
   ``perm(c mod L)`` of pass ``c // L``, where ``perm`` is a seeded bijection of ``range(L)``
-  keyed by (seed, source name, pass): a 4-round Feistel network on the next even number of
-  bits, cycle-walked back into range. O(1) memory, so a source of 10^9 items costs nothing
+  keyed by (seed, source name, pass): a 4-round Feistel network on the digits of ``c mod L``
+  in base ceil(sqrt(L)), cycle-walked back into range. O(1) memory, so a source of 10^9 items costs nothing
   to start, and no item of a source repeats before the whole source was seen.
 
 Weights may change: the plan is a list of segments, each (first global position, weights).
@@ -64,32 +64,27 @@ def _derive(*parts: object) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=32, person=b"rl.mixture").digest()
 
 
-def _mix64(z: int) -> int:
-    """splitmix64's finaliser: a cheap bijective scramble of a 64-bit integer."""
-    z = (z + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
 def _permute(x: int, n: int, keys: tuple[int, ...]) -> int:
     """Item ``x`` of a bijection of ``range(n)`` chosen by ``keys`` (``0 <= x < n``).
 
-    A balanced Feistel network permutes ``range(2**bits)`` (``bits`` even, ``2**bits < 4n``);
-    walking along the cycle of ``x`` until the value falls back below ``n`` restricts it to a
-    permutation of ``range(n)``: expected fewer than four steps.
+    A Feistel network over pairs (left, right) of digits in base ``a = ceil(sqrt(n))``
+    (round: ``left, right = right, (left + F(right)) mod a``, undone by subtracting) permutes
+    ``range(a * a)``; walking along the cycle of ``x`` until the value falls back below ``n``
+    restricts it to ``range(n)``. As ``a * a < n + 2 * sqrt(n) + 1``, a walk takes one step
+    almost always (a power-of-two domain would take up to four). ``F`` is splitmix64's
+    finaliser of the round key xor ``right``.
     """
     if n <= 1:
         return 0
-    bits = max(2, (n - 1).bit_length())
-    bits += bits & 1
-    half = bits >> 1
-    mask = (1 << half) - 1
+    a = math.isqrt(n - 1) + 1
     while True:
-        left, right = x >> half, x & mask
+        left, right = divmod(x, a)
         for k in keys:
-            left, right = right, left ^ (_mix64(k ^ right) & mask)
-        x = (left << half) | right
+            z = ((k ^ right) + 0x9E3779B97F4A7C15) & _M64
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+            left, right = right, (left + (z ^ (z >> 31))) % a
+        x = left * a + right
         if x < n:
             return x
 
