@@ -15,9 +15,10 @@ a position. Two layers:
   number of sources)) of ``n * weight``. The phases are drawn from the seed.
 * **Passes** (which index). The ``c``-th sample drawn from a source of length ``L`` is item
   ``perm(c mod L)`` of pass ``c // L``, where ``perm`` is a seeded bijection of ``range(L)``
-  keyed by (seed, source name, pass): a 4-round Feistel network on the digits of ``c mod L``
-  in base ceil(sqrt(L)), cycle-walked back into range. O(1) memory, so a source of 10^9 items costs nothing
-  to start, and no item of a source repeats before the whole source was seen.
+  keyed by (seed, source name, pass): a 4-round Feistel network on the two digits of
+  ``c mod L`` in base ceil(sqrt(L)), cycle-walked back into range. O(1) memory, so a source
+  of 10^9 items costs nothing to start, and no item of a source repeats before the whole
+  source was seen.
 
 Weights may change: the plan is a list of segments, each (first global position, weights).
 A source's count at the start of a segment is carried over from the segments before it, so
@@ -49,7 +50,11 @@ STATE_KIND = "resumable_loader.Mixture"
 STATE_VERSION = 1
 _STATE_KEYS = ("kind", "version", "seed", "num_samples", "epoch", "sources", "weights")
 
-_M64 = (1 << 64) - 1
+_M30 = (1 << 30) - 1
+# Odd 30-bit multipliers for the round hash (any odd constants with mixed bits would do; these
+# are fixed forever: they decide every pass's order, so changing them is a new state version).
+_C1 = 0x2C1B3C6D
+_C2 = 0x297A2D39
 # Luby-Rackoff: four rounds of a Feistel network with a pseudorandom round function make a
 # pseudorandom permutation; fewer leave visible structure in small domains.
 _ROUNDS = 4
@@ -65,26 +70,39 @@ def _derive(*parts: object) -> bytes:
 
 
 def _permute(x: int, n: int, keys: tuple[int, ...]) -> int:
-    """Item ``x`` of a bijection of ``range(n)`` chosen by ``keys`` (``0 <= x < n``).
+    """Item ``x`` of a bijection of ``range(n)`` chosen by four 30-bit ``keys`` (``0 <= x < n``).
 
-    A Feistel network over pairs (left, right) of digits in base ``a = ceil(sqrt(n))``
-    (round: ``left, right = right, (left + F(right)) mod a``, undone by subtracting) permutes
-    ``range(a * a)``; walking along the cycle of ``x`` until the value falls back below ``n``
-    restricts it to ``range(n)``. As ``a * a < n + 2 * sqrt(n) + 1``, a walk takes one step
-    almost always (a power-of-two domain would take up to four). ``F`` is splitmix64's
-    finaliser of the round key xor ``right``.
+    A Feistel network over the two digits (hi, lo) of ``x`` in base ``a = ceil(sqrt(n))``:
+    each round adds a keyed hash of one digit to the other, mod ``a`` (undone by subtracting),
+    so it permutes ``range(a * a)``. Walking along the cycle of ``x`` until the value falls
+    back below ``n`` restricts it to ``range(n)``; as ``a * a < n + 2 * sqrt(n) + 1``, the walk
+    almost always takes one step (a power-of-two domain would take up to four). The hash is
+    a 30-bit multiply-xorshift, unrolled: CPython's arithmetic on ints below 2**30 is its
+    fast path, and this function is most of a sample's cost.
     """
     if n <= 1:
         return 0
     a = math.isqrt(n - 1) + 1
+    k0, k1, k2, k3 = keys
     while True:
-        left, right = divmod(x, a)
-        for k in keys:
-            z = ((k ^ right) + 0x9E3779B97F4A7C15) & _M64
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-            left, right = right, (left + (z ^ (z >> 31))) % a
-        x = left * a + right
+        hi, lo = divmod(x, a)
+        z = lo ^ k0
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        hi = (hi + (z ^ (z >> 15))) % a
+        z = hi ^ k1
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        lo = (lo + (z ^ (z >> 15))) % a
+        z = lo ^ k2
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        hi = (hi + (z ^ (z >> 15))) % a
+        z = hi ^ k3
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        lo = (lo + (z ^ (z >> 15))) % a
+        x = hi * a + lo
         if x < n:
             return x
 
@@ -606,7 +624,11 @@ class Mixture(Dataset[Any]):
 
     def _locate(self, g: int) -> tuple[int, int]:
         """(source, item) of global position ``g``."""
-        seg = self._segments[bisect.bisect_right(self._starts, g) - 1]
+        segments = self._segments
+        if len(segments) == 1:
+            seg = segments[0]
+        else:
+            seg = segments[bisect.bisect_right(self._starts, g) - 1]
         k, m = seg.locate(g - seg.start)
         drawn = seg.base[k] + m
         length = self._lengths[k]
@@ -616,7 +638,9 @@ class Mixture(Dataset[Any]):
             if len(self._keys) >= _KEY_CACHE_SIZE:
                 self._keys.clear()
             raw = _derive(self._seed, "pass", self._names[k], npass)
-            keys = tuple(int.from_bytes(raw[8 * r : 8 * r + 8], "little") for r in range(_ROUNDS))
+            keys = tuple(
+                int.from_bytes(raw[4 * r : 4 * r + 4], "little") & _M30 for r in range(_ROUNDS)
+            )
             self._keys[(k, npass)] = keys
         return k, _permute(offset, length, keys)
 

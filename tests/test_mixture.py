@@ -174,7 +174,7 @@ def test_no_item_of_a_source_repeats_within_a_pass(
 
 @pytest.mark.parametrize("n", [*range(1, 70), 255, 256, 257, 1000])
 def test_each_pass_permutation_is_a_bijection(n: int) -> None:
-    keys = (11, 22, 33, 44)
+    keys = (11, 22, 33, 2**30 - 1)
     assert sorted(_permute(x, n, keys) for x in range(n)) == list(range(n))
     if n >= 8:
         assert [_permute(x, n, keys) for x in range(n)] != list(range(n)), "not shuffled"
