@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import random
+import subprocess
+import sys
 import warnings
 from collections import Counter
 from typing import Any
@@ -203,6 +206,23 @@ def test_deterministic_and_free_of_global_rngs() -> None:
     assert plan(Mixture(reordered, weights, seed=9), range(2000)) == a
     unpickled = pickle.loads(pickle.dumps(Mixture(tagged(lengths), weights, seed=9)))
     assert plan(unpickled, range(2000)) == a
+
+
+def test_the_plan_is_the_same_in_another_interpreter() -> None:
+    # Another process with another hash seed: nothing may depend on hash() or the RNGs.
+    code = (
+        "from resumable_loader import Mixture\n"
+        "m = Mixture({n: range(k) for n, k in [('web', 97), ('code', 13), ('math', 5)]},\n"
+        "            {'web': 5, 'code': 2.5, 'math': 0.5}, seed=9)\n"
+        "print([m.source_of(g) for g in range(3000, 3300)])\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    lengths = {"web": 97, "code": 13, "math": 5}
+    mix = Mixture(tagged(lengths), {"web": 5, "code": 2.5, "math": 0.5}, seed=9)
+    assert out.stdout.strip() == repr(plan(mix, range(3000, 3300)))
 
 
 def test_epochs_are_blocks_of_global_positions() -> None:
