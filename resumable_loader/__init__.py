@@ -35,6 +35,8 @@ module, in the order a batch meets them.
    one Status enum of results and deliveries.
  ranks (_distributed): torch's DistributedSampler cut into shards and re-cut for another world
    size; the global state gathered under torch.distributed.checkpoint.
+ plans (_mixture): a Mixture of named map-style sources, a dataset whose position -> (source,
+   index) is arithmetic on (seed, weights history, global position): no iterator state.
 
 With num_workers=0 the same state contract holds, with no processes: the main process fetches
 each task itself, under the same per-task seeds (its own RNG streams saved and restored).
@@ -50,6 +52,7 @@ from ._codec import dump_state, load_state  # noqa: E402
 from ._distributed import merge_rank_states  # noqa: E402
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
 from ._loader import DataLoader, RetryPolicy  # noqa: E402
+from ._mixture import Mixture  # noqa: E402
 from ._stats import LoaderStatistics  # noqa: E402
 
 __version__ = "0.1.0"
@@ -59,6 +62,7 @@ __all__ = [
     "DataLoader",
     "LoaderClosedError",
     "LoaderStatistics",
+    "Mixture",
     "RetryPolicy",
     "WorkerCrashError",
     "__version__",

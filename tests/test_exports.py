@@ -15,6 +15,7 @@ PUBLIC = [
     "DataLoader",
     "LoaderClosedError",
     "LoaderStatistics",
+    "Mixture",
     "RetryPolicy",
     "WorkerCrashError",
     "__version__",

@@ -1,0 +1,687 @@
+"""Data plans: a weighted mixture of named map-style sources, as a pure function of the position.
+
+A ``Mixture`` maps a *global position* ``g`` (``epoch * num_samples + position in the epoch``)
+to one (source, index) pair with arithmetic alone. No iterator, no per-epoch array: any sampler
+may visit the positions in any order, on any number of workers or ranks, and a resume is only
+a position. Two layers:
+
+* **Interleave** (which source). The weights are exact integers (a float weight is read as the
+  decimal it prints as: 0.7 is 7/10). The sources with a positive weight are the leaves of a
+  balanced binary tree; each inner node splits its positions between its two halves like a
+  Bresenham line: of the first ``m`` positions that reach a node whose left half weighs ``a``
+  of ``t``, ``(m * a + phase) // t`` go left. So the count of a source among the first ``m``
+  positions is a closed form (O(depth) to compute), position ``m`` is located in O(depth), and
+  over any window of ``n`` positions a source's count is within ``depth`` (= ceil(log2 of the
+  number of sources)) of ``n * weight``. The phases are drawn from the seed.
+* **Passes** (which index). The ``c``-th sample drawn from a source of length ``L`` is item
+  ``perm(c mod L)`` of pass ``c // L``, where ``perm`` is a seeded bijection of ``range(L)``
+  keyed by (seed, source name, pass): a 4-round Feistel network on the two digits of
+  ``c mod L`` in base ceil(sqrt(L)), cycle-walked back into range. O(1) memory, so a source
+  of 10^9 items costs nothing to start, and no item of a source repeats before the whole
+  source was seen.
+
+Weights may change: the plan is a list of segments, each (first global position, weights).
+A source's count at the start of a segment is carried over from the segments before it, so
+its passes continue across a change: what was drawn stays drawn, nothing of the current pass
+repeats. The state (``state_dict``) is that list, the seed and the sources' names, lengths and
+fingerprints: O(number of changes + number of sources), never O(samples).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import numbers
+import operator
+import warnings
+from collections.abc import Iterator, Mapping
+from fractions import Fraction
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from ._errors import CheckpointError
+
+__all__ = ["Mixture"]
+
+STATE_KIND = "resumable_loader.Mixture"
+STATE_VERSION = 1
+_STATE_KEYS = ("kind", "version", "seed", "num_samples", "epoch", "sources", "weights")
+
+_M30 = (1 << 30) - 1
+# Odd 30-bit multipliers for the round hash (any odd constants with mixed bits would do; these
+# are fixed forever: they decide every pass's order, so changing them is a new state version).
+_C1 = 0x2C1B3C6D
+_C2 = 0x297A2D39
+# Luby-Rackoff: four rounds of a Feistel network with a pseudorandom round function make a
+# pseudorandom permutation; fewer leave visible structure in small domains.
+_ROUNDS = 4
+# Round keys of recently used (source, pass) pairs. A loader touches one or two passes of each
+# source at a time; the bound only keeps a long, many-source run from growing the dict.
+_KEY_CACHE_SIZE = 4096
+
+
+def _derive(*parts: object) -> bytes:
+    """32 bytes determined by ``parts`` alone (never by the process's RNGs or hash seed)."""
+    text = json.dumps(parts, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.blake2b(text.encode(), digest_size=32, person=b"rl.mixture").digest()
+
+
+def _permute(x: int, n: int, keys: tuple[int, ...]) -> int:
+    """Item ``x`` of a bijection of ``range(n)`` chosen by four 30-bit ``keys`` (``0 <= x < n``).
+
+    A Feistel network over the two digits (hi, lo) of ``x`` in base ``a = ceil(sqrt(n))``:
+    each round adds a keyed hash of one digit to the other, mod ``a`` (undone by subtracting),
+    so it permutes ``range(a * a)``. Walking along the cycle of ``x`` until the value falls
+    back below ``n`` restricts it to ``range(n)``; as ``a * a < n + 2 * sqrt(n) + 1``, the walk
+    almost always takes one step (a power-of-two domain would take up to four). The hash is
+    a 30-bit multiply-xorshift, unrolled: CPython's arithmetic on ints below 2**30 is its
+    fast path, and this function is most of a sample's cost.
+    """
+    if n <= 1:
+        return 0
+    a = math.isqrt(n - 1) + 1
+    k0, k1, k2, k3 = keys
+    while True:
+        hi, lo = divmod(x, a)
+        z = lo ^ k0
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        hi = (hi + (z ^ (z >> 15))) % a
+        z = hi ^ k1
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        lo = (lo + (z ^ (z >> 15))) % a
+        z = lo ^ k2
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        hi = (hi + (z ^ (z >> 15))) % a
+        z = hi ^ k3
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        lo = (lo + (z ^ (z >> 15))) % a
+        x = hi * a + lo
+        if x < n:
+            return x
+
+
+def _exact(weight: object, name: str) -> tuple[int | float, Fraction]:
+    """A weight as plain data (int or float) and as the exact fraction it stands for.
+
+    Raises:
+        TypeError: not a real number (a bool is not a weight either).
+        ValueError: negative, NaN or infinite.
+    """
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise TypeError(f"the weight of source {name!r} must be a number, not {weight!r}")
+    if isinstance(weight, numbers.Integral):
+        plain: int | float = int(weight)
+        frac = Fraction(plain)
+    else:
+        plain = float(weight)
+        if not math.isfinite(plain):
+            raise ValueError(f"the weight of source {name!r} must be finite, not {plain!r}")
+        # The decimal the float prints as (repr is the shortest round-trip form, the same on
+        # every platform): 0.7 means 7/10, so 0.7/0.3 interleaves exactly 7 to 3.
+        frac = Fraction(repr(plain))
+    if frac < 0:
+        raise ValueError(f"the weight of source {name!r} must be >= 0, not {plain!r}")
+    return plain, frac
+
+
+def _check_weights(
+    weights: object, names: tuple[str, ...]
+) -> tuple[dict[str, int | float], tuple[Fraction, ...]]:
+    """Validate a weights mapping against the source names (sorted)."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"weights must be a mapping from source name to weight, not {type(weights).__name__}"
+        )
+    missing = [n for n in names if n not in weights]
+    unknown = sorted(repr(k) for k in weights if k not in names)
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"no weight for {missing}")
+        if unknown:
+            parts.append(f"weights for unknown sources [{', '.join(unknown)}]")
+        raise ValueError(
+            f"{' and '.join(parts)}: give one weight per source, for exactly {list(names)}"
+        )
+    plain: dict[str, int | float] = {}
+    fracs = []
+    for n in names:
+        plain[n], frac = _exact(weights[n], n)
+        fracs.append(frac)
+    if not any(fracs):
+        raise ValueError("at least one source must have a positive weight; all are 0")
+    return plain, tuple(fracs)
+
+
+class _Segment:
+    """The interleave from global position ``start`` on, under one set of weights.
+
+    ``base[k]``: how many samples of source ``k`` the segments before this one drew.
+    """
+
+    __slots__ = ("base", "nodes", "paths", "root", "start", "weights")
+
+    def __init__(
+        self,
+        start: int,
+        weights: dict[str, int | float],
+        fracs: tuple[Fraction, ...],
+        base: tuple[int, ...],
+        seed: int,
+    ) -> None:
+        self.start = start
+        self.weights = weights
+        self.base = base
+        denominator = math.lcm(*(f.denominator for f in fracs))
+        ints = [int(f * denominator) for f in fracs]
+        common = math.gcd(*ints)
+        ints = [w // common for w in ints]
+        # nodes[i] = (left weight, total weight, phase, left child, right child); a child >= 0
+        # is a node, a child < 0 is the leaf (source) -child - 1.
+        self.nodes: list[tuple[int, int, int, int, int]] = []
+        self.paths: list[list[tuple[int, bool]]] = [[] for _ in ints]
+        leaves = [k for k, w in enumerate(ints) if w > 0]
+        self.root = self._build(leaves, ints, seed, [])
+
+    def _build(self, leaves: list[int], ints: list[int], seed: int, path: list[Any]) -> int:
+        if len(leaves) == 1:
+            self.paths[leaves[0]] = list(path)
+            return -leaves[0] - 1
+        i = len(self.nodes)
+        self.nodes.append((0, 0, 0, 0, 0))  # placeholder: the children get later numbers
+        mid = len(leaves) // 2
+        a = sum(ints[k] for k in leaves[:mid])
+        t = a + sum(ints[k] for k in leaves[mid:])
+        phase = int.from_bytes(_derive(seed, "phase", self.start, i)[:16], "little") % t
+        lo = self._build(leaves[:mid], ints, seed, [*path, (i, True)])
+        hi = self._build(leaves[mid:], ints, seed, [*path, (i, False)])
+        self.nodes[i] = (a, t, phase, lo, hi)
+        return i
+
+    def locate(self, m: int) -> tuple[int, int]:
+        """The source of position ``start + m``, and how many of its samples this segment drew
+        before it."""
+        node = self.root
+        nodes = self.nodes
+        while node >= 0:
+            a, t, phase, lo, hi = nodes[node]
+            v = m * a + phase
+            before = v // t
+            if (v + a) // t > before:
+                m, node = before, lo
+            else:
+                m, node = m - before, hi
+        return -node - 1, m
+
+    def count(self, k: int, m: int) -> int:
+        """How many of the first ``m`` positions of this segment source ``k`` draws."""
+        path = self.paths[k]
+        if not path and self.root != -k - 1:
+            return 0  # weight 0 here
+        for node, left in path:
+            a, t, phase, _, _ = self.nodes[node]
+            before = (m * a + phase) // t
+            m = before if left else m - before
+        return m
+
+
+class Mixture(Dataset[Any]):
+    """A map-style dataset that mixes named map-style sources by weight, deterministically.
+
+    Position ``p`` of epoch ``e`` is the global position ``g = e * num_samples + p``; ``g``
+    alone (with the seed and the weights history) decides which source and which of its items
+    it is. The interleave is stratified: over any window of ``n`` consecutive positions (under
+    one set of weights) each source's count is within ``ceil(log2(#sources))`` of
+    ``n * weight / sum(weights)``. Within a source, items are drawn in passes, each a fresh
+    seeded permutation, so nothing repeats before the whole source was seen and a small
+    source is cycled (upsampled). Nothing is drawn from a global RNG.
+
+    Any sampler over ``range(len(mixture))`` works: shuffled or not, ``DistributedSampler``,
+    any number of workers. The order of the loader's sampler is the order of consumption; the
+    stratification holds for consecutive positions, so ``shuffle=False`` keeps it in the
+    batches (the sources are shuffled within themselves already).
+
+    The epoch: ``set_epoch(e)`` before each epoch (as with ``DistributedSampler``), or index
+    with global positions directly: an index ``i`` means global position
+    ``epoch * num_samples + i``, and may run past the end of the epoch into the next ones.
+    Workers hold a copy of the dataset made when they start: with ``persistent_workers=True``
+    a ``set_epoch`` in the main process does not reach them.
+
+    Args:
+        sources: name -> map-style dataset (``__len__`` and ``__getitem__``), at least one.
+            The names are sorted; the order of the mapping does not matter.
+        weights: name -> weight (int or float, >= 0, at least one positive), one per source.
+            Only ratios matter. A float is read as the decimal it prints as (0.1 is 1/10).
+        seed: the plan's seed (0 <= seed < 2**64): the interleave's phases and every pass's
+            permutation derive from it.
+        num_samples: positions per epoch; default the sum of the sources' lengths.
+
+    Raises:
+        TypeError: a source without ``__len__``, a name that is not a string, a weight that is
+            not a number, or a ``fingerprint()`` that does not return a string.
+        ValueError: no sources, an empty source, weights that do not name exactly the sources,
+            a negative, infinite or NaN weight, all weights 0, a bad seed or ``num_samples``.
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, Any],
+        weights: Mapping[str, float],
+        *,
+        seed: int = 0,
+        num_samples: int | None = None,
+    ) -> None:
+        if not isinstance(sources, Mapping) or not sources:
+            raise ValueError("sources must be a non-empty mapping from name to dataset")
+        for name in sources:
+            if not isinstance(name, str):
+                raise TypeError(f"source names must be strings, not {name!r}")
+        self._names = tuple(sorted(sources))
+        self._sources = tuple(sources[n] for n in self._names)
+        lengths = []
+        for n, ds in zip(self._names, self._sources):
+            try:
+                length = len(ds)
+            except TypeError:
+                raise TypeError(
+                    f"source {n!r} ({type(ds).__name__}) has no len(): a Mixture draws from "
+                    "map-style datasets"
+                ) from None
+            if length < 1:
+                raise ValueError(f"source {n!r} is empty")
+            lengths.append(length)
+        self._lengths = tuple(lengths)
+        self._fingerprints = tuple(
+            _fingerprint_of(n, ds) for n, ds in zip(self._names, self._sources)
+        )
+        self._seed = _check_int("seed", seed, 0, 1 << 64)
+        if num_samples is None:
+            num_samples = sum(self._lengths)
+        self._num_samples = _check_int("num_samples", num_samples, 1, None)
+        self._epoch = 0
+        plain, fracs = _check_weights(weights, self._names)
+        self._segments = [_Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
+        self._starts = [0]
+        self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    # ---- the plan ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._num_samples
+
+    def __getitem__(self, index: int) -> Any:
+        k, item = self._locate(self._global(index))
+        return self._sources[k][item]
+
+    def __iter__(self) -> Iterator[Any]:
+        # Without it, Python's fallback iteration would call __getitem__ until an IndexError,
+        # which never comes: positions run on into the next epochs.
+        for i in range(self._num_samples):
+            yield self[i]
+
+    def source_of(self, index: int) -> tuple[str, int]:
+        """Which source, and which of its items, ``mixture[index]`` is (for logging).
+
+        Args:
+            index: a position, as for ``mixture[index]``.
+
+        Returns:
+            ``(source name, index within the source)``.
+
+        Raises:
+            IndexError: ``index < -len(mixture)``.
+        """
+        k, item = self._locate(self._global(index))
+        return self._names[k], item
+
+    def counts_before(self, position: int) -> dict[str, int]:
+        """How many samples of each source the global positions ``[0, position)`` draw.
+
+        ``count // len(source)`` is the number of full passes over that source.
+
+        Args:
+            position: a global position (``epoch * len(mixture) + position in the epoch``).
+
+        Returns:
+            source name -> count.
+        """
+        position = _check_int("position", position, 0, None)
+        seg = self._segments[bisect.bisect_right(self._starts, position) - 1]
+        m = position - seg.start
+        return {n: seg.base[k] + seg.count(k, m) for k, n in enumerate(self._names)}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``mixture[i]`` mean position ``i`` of epoch ``epoch``.
+
+        Args:
+            epoch: the epoch, >= 0.
+        """
+        self._epoch = _check_int("epoch", epoch, 0, None)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch that ``mixture[i]`` indexes into (see ``set_epoch``)."""
+        return self._epoch
+
+    @property
+    def seed(self) -> int:
+        """The plan's seed."""
+        return self._seed
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The sources' names, sorted."""
+        return self._names
+
+    @property
+    def sources(self) -> dict[str, Any]:
+        """name -> source dataset."""
+        return dict(zip(self._names, self._sources))
+
+    @property
+    def weights(self) -> dict[str, int | float]:
+        """The weights of the last segment of the plan (the newest ones)."""
+        return dict(self._segments[-1].weights)
+
+    @property
+    def history(self) -> list[tuple[int, dict[str, int | float]]]:
+        """The plan's segments: ``(first global position, weights)``, in order; the first
+        starts at 0."""
+        return [(s.start, dict(s.weights)) for s in self._segments]
+
+    def set_weights(self, weights: Mapping[str, float], from_position: int) -> None:
+        """Use ``weights`` from global position ``from_position`` on.
+
+        Each source's passes continue where the positions before ``from_position`` left
+        them, so no item of a source's current pass is drawn twice. The positions before
+        ``from_position`` keep their samples: make it at least the global position of every
+        sample already consumed. A loader whose sampler shuffles the positions of an epoch has
+        consumed a scattered set of them mid-epoch: then give the start of the next epoch
+        (``(epoch + 1) * len(mixture)``).
+
+        Args:
+            weights: name -> weight, one per source (as in the constructor).
+            from_position: the first global position drawn under ``weights``; not before the
+                start of the newest segment (``history[-1][0]``), whose weights it replaces
+                when equal to it.
+
+        Raises:
+            ValueError: bad weights, or ``from_position`` before the newest segment's start.
+        """
+        from_position = _check_int("from_position", from_position, 0, None)
+        plain, fracs = _check_weights(weights, self._names)
+        last = self._segments[-1]
+        if from_position < last.start:
+            raise ValueError(
+                f"weights cannot apply from global position {from_position}: the plan already "
+                f"has weights {last.weights} from position {last.start} on, and positions "
+                "drawn under them keep their samples. Give a position >= "
+                f"{last.start} (the next unconsumed one)."
+            )
+        if _same_ratios(fracs, _check_weights(last.weights, self._names)[1]):
+            return
+        segments = self._segments[:-1] if from_position == last.start else self._segments
+        self._segments = [*segments, self._segment_after(segments, from_position, plain, fracs)]
+        self._starts = [s.start for s in self._segments]
+
+    def fingerprint(self) -> str:
+        """A digest of the data: each source's name, length and ``fingerprint()`` (if it has
+        one). Not of the weights or the seed, which a resume may change or carry."""
+        parts = list(zip(self._names, self._lengths, self._fingerprints))
+        return "mixture:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The plan as plain data: seed, epoch, ``num_samples``, the weights history and each
+        source's name, length and fingerprint. Its size does not grow with the samples drawn.
+
+        Returns:
+            a dict of None/bool/int/float/str/list/dict (json, msgpack and
+            ``torch.load(weights_only=True)`` safe).
+        """
+        return {
+            "kind": STATE_KIND,
+            "version": STATE_VERSION,
+            "seed": self._seed,
+            "num_samples": self._num_samples,
+            "epoch": self._epoch,
+            "sources": [
+                {"name": n, "length": length, "fingerprint": fp}
+                for n, length, fp in zip(self._names, self._lengths, self._fingerprints)
+            ],
+            "weights": [{"from": s.start, "weights": dict(s.weights)} for s in self._segments],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], *, resume_at: int | None = None) -> None:
+        """Continue the plan saved in ``state``: its seed, epoch and weights history.
+
+        The sources must be the checkpoint's: the same names, lengths and fingerprints. If
+        this mixture was built with other weights than the checkpoint's newest, they apply
+        from global position ``resume_at`` on (see ``set_weights``); without ``resume_at``
+        the checkpoint's weights are kept, with a ``UserWarning``. On any error the mixture is
+        left exactly as it was.
+
+        Args:
+            state: a ``state_dict()``.
+            resume_at: the global position of the first sample not yet consumed.
+
+        Raises:
+            CheckpointError: a malformed state, another version, sources added, removed or
+                changed (the message names the source and both values), another
+                ``num_samples``, or a ``resume_at`` before the checkpoint's newest segment.
+        """
+        seed, epoch, segments = self._parse_state(state)
+        own = self._segments[-1]
+        own_fracs = _check_weights(own.weights, self._names)[1]
+        new_weights: tuple[dict[str, int | float], tuple[Fraction, ...]] | None = None
+        if not _same_ratios(own_fracs, _check_weights(segments[-1][1], self._names)[1]):
+            new_weights = (own.weights, own_fracs)
+        built: list[_Segment] = []
+        for start, weights in segments:
+            plain, fracs = _check_weights(weights, self._names)
+            built.append(self._segment_after(built, start, plain, fracs, seed))
+        if new_weights is not None and resume_at is not None:
+            try:
+                resume_at = _check_int("resume_at", resume_at, 0, None)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(str(e)) from None
+            if resume_at < built[-1].start:
+                raise CheckpointError(
+                    f"the new weights {new_weights[0]} cannot apply from global position "
+                    f"{resume_at}: the checkpoint's weights {built[-1].weights} apply from "
+                    f"{built[-1].start} on. Pass the position of the first unconsumed sample."
+                )
+            keep = built[:-1] if resume_at == built[-1].start else built
+            built = [*keep, self._segment_after(keep, resume_at, *new_weights, seed)]
+        elif new_weights is not None:
+            warnings.warn(
+                f"this Mixture was built with weights {new_weights[0]}, the checkpoint has "
+                f"{built[-1].weights}: kept the checkpoint's. To change them at the resume, "
+                "pass load_state_dict(state, resume_at=<first unconsumed global position>) or "
+                "call set_weights() after loading.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._seed, self._epoch, self._segments = seed, epoch, built
+        self._starts = [s.start for s in built]
+        self._keys = {}
+
+    def _parse_state(self, state: Any) -> tuple[int, int, list[tuple[int, Any]]]:
+        """Validate ``state`` against this mixture's sources; nothing is changed."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"a Mixture state is a dict, not {type(state).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise CheckpointError(f"not a Mixture state: missing keys {missing}")
+        if state["kind"] != STATE_KIND:
+            raise CheckpointError(f"not a Mixture state: kind is {state['kind']!r}")
+        if state["version"] != STATE_VERSION:
+            raise CheckpointError(
+                f"Mixture state version {state['version']!r}; this resumable_loader reads "
+                f"version {STATE_VERSION}. Resume with the version that saved it."
+            )
+        self._check_sources(state["sources"])
+        try:
+            seed = _check_int("seed", state["seed"], 0, 1 << 64)
+            epoch = _check_int("epoch", state["epoch"], 0, None)
+            num_samples = _check_int("num_samples", state["num_samples"], 1, None)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"bad Mixture state: {e}") from None
+        if num_samples != self._num_samples:
+            raise CheckpointError(
+                f"the checkpoint's Mixture has num_samples={num_samples}, this one "
+                f"{self._num_samples}: global positions would fall in other epochs. Build it "
+                f"with num_samples={num_samples}."
+            )
+        history = state["weights"]
+        if not isinstance(history, list) or not history:
+            raise CheckpointError("bad Mixture state: 'weights' must be a non-empty list")
+        segments: list[tuple[int, Any]] = []
+        for j, seg in enumerate(history):
+            if not isinstance(seg, Mapping) or set(seg) != {"from", "weights"}:
+                raise CheckpointError(f"bad Mixture state: weights[{j}] is {seg!r}")
+            start = seg["from"]
+            earlier = segments[-1][0] if segments else -1
+            if not _is_int(start) or start <= earlier or (j == 0 and start != 0):
+                raise CheckpointError(
+                    f"bad Mixture state: weights[{j}] starts at {start!r}; the segments must "
+                    "start at 0 and at increasing positions"
+                )
+            try:
+                _check_weights(seg["weights"], self._names)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"bad Mixture state: weights[{j}]: {e}") from None
+            segments.append((start, seg["weights"]))
+        return seed, epoch, segments
+
+    def _check_sources(self, saved: Any) -> None:
+        if not isinstance(saved, list) or not all(
+            isinstance(s, Mapping) and {"name", "length", "fingerprint"} <= set(s) for s in saved
+        ):
+            raise CheckpointError(f"bad Mixture state: 'sources' is {saved!r}")
+        theirs = {s["name"]: s for s in saved}
+        added = [n for n in self._names if n not in theirs]
+        removed = sorted(n for n in theirs if n not in self._names)
+        if added or removed:
+            change = []
+            if added:
+                change.append(f"{added} added")
+            if removed:
+                change.append(f"{removed} removed")
+            raise CheckpointError(
+                f"the Mixture's sources changed since the checkpoint: {' and '.join(change)} "
+                f"(checkpoint: {sorted(theirs)}, now: {list(self._names)}). Resume with the "
+                "checkpoint's sources; set a source's weight to 0 to stop drawing from it."
+            )
+        for n, length, fp in zip(self._names, self._lengths, self._fingerprints):
+            if theirs[n]["length"] != length:
+                raise CheckpointError(
+                    f"source {n!r} had {theirs[n]['length']} items in the checkpoint, now "
+                    f"{length}: its passes would draw other items. Resume with the "
+                    "checkpoint's data."
+                )
+            if theirs[n]["fingerprint"] != fp:
+                raise CheckpointError(
+                    f"source {n!r} has fingerprint {fp!r}, the checkpoint "
+                    f"{theirs[n]['fingerprint']!r}: the data changed. Resume with the "
+                    "checkpoint's data."
+                )
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _segment_after(
+        self,
+        earlier: list[_Segment],
+        start: int,
+        plain: dict[str, int | float],
+        fracs: tuple[Fraction, ...],
+        seed: int | None = None,
+    ) -> _Segment:
+        """A segment from ``start`` on, its counts carried over from ``earlier`` (O(#segments)
+        work, once per change)."""
+        if earlier:
+            prev = earlier[-1]
+            m = start - prev.start
+            base = tuple(prev.base[k] + prev.count(k, m) for k in range(len(self._names)))
+        else:
+            base = (0,) * len(self._names)
+        return _Segment(start, plain, fracs, base, self._seed if seed is None else seed)
+
+    def _global(self, index: int) -> int:
+        i = operator.index(index)
+        if i < 0:
+            if i < -self._num_samples:
+                raise IndexError(
+                    f"index {i} is out of range for a Mixture of {self._num_samples} samples"
+                )
+            i += self._num_samples
+        return self._epoch * self._num_samples + i
+
+    def _locate(self, g: int) -> tuple[int, int]:
+        """(source, item) of global position ``g``."""
+        segments = self._segments
+        if len(segments) == 1:
+            seg = segments[0]
+        else:
+            seg = segments[bisect.bisect_right(self._starts, g) - 1]
+        k, m = seg.locate(g - seg.start)
+        drawn = seg.base[k] + m
+        length = self._lengths[k]
+        npass, offset = divmod(drawn, length)
+        keys = self._keys.get((k, npass))
+        if keys is None:
+            if len(self._keys) >= _KEY_CACHE_SIZE:
+                self._keys.clear()
+            raw = _derive(self._seed, "pass", self._names[k], npass)
+            keys = tuple(
+                int.from_bytes(raw[4 * r : 4 * r + 4], "little") & _M30 for r in range(_ROUNDS)
+            )
+            self._keys[(k, npass)] = keys
+        return k, _permute(offset, length, keys)
+
+    def __repr__(self) -> str:
+        sources = ", ".join(f"{n}({length})" for n, length in zip(self._names, self._lengths))
+        return (
+            f"Mixture([{sources}], weights={self.weights}, seed={self._seed}, "
+            f"num_samples={self._num_samples})"
+        )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(what: str, value: Any, low: int, high: int | None) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {value!r}") from None
+    if v < low or (high is not None and v >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{what} must be {bound}, not {v}")
+    return v
+
+
+def _same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
+    sa, sb = sum(a), sum(b)
+    return all(x * sb == y * sa for x, y in zip(a, b))
+
+
+def _fingerprint_of(name: str, ds: Any) -> str | None:
+    method = getattr(ds, "fingerprint", None)
+    if not callable(method):
+        return None
+    fp = method()
+    if not isinstance(fp, str):
+        raise TypeError(
+            f"source {name!r}: fingerprint() must return a str (a manifest hash, a file list "
+            f"digest), not {type(fp).__name__}"
+        )
+    return fp

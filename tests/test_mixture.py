@@ -1,0 +1,500 @@
+"""Data plans (``_mixture``): a ``Mixture`` of named sources is a pure function of the global
+position. Checked against plain reference computations: proportions in every window, no repeat
+within a pass, the same (source, index) sequence however it is cut (objects, epochs, ranks,
+batch sizes, workers, resumes), weight changes at a resume, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import random
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DistributedSampler
+
+from resumable_loader import CheckpointError, DataLoader, Mixture
+from resumable_loader._mixture import _permute
+from resumable_loader.testing import check_resume, roundtrip_state
+
+FAST = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class Tagged(torch.utils.data.Dataset):
+    """Item ``i`` is the string ``"name/i"``."""
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n = name, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> str:
+        if not 0 <= i < self.n:
+            raise IndexError(f"{self.name}: index {i} out of range({self.n})")
+        return f"{self.name}/{i}"
+
+
+class Fingerprinted(Tagged):
+    """A ``Tagged`` source with a ``fingerprint()`` (a manifest hash, say)."""
+
+    def __init__(self, name: str, n: int, fp: Any) -> None:
+        super().__init__(name, n)
+        self.fp = fp
+
+    def fingerprint(self) -> Any:
+        return self.fp
+
+
+def tagged(lengths: dict[str, int]) -> dict[str, Tagged]:
+    return {name: Tagged(name, n) for name, n in lengths.items()}
+
+
+def plan(mix: Mixture, positions: range | list[int]) -> list[tuple[str, int]]:
+    """(source, index) of each global position, read from a fresh epoch-0 view."""
+    return [mix.source_of(g) for g in positions]
+
+
+def depth(weights: dict[str, float]) -> int:
+    """The stratification bound: the depth of the tree over the positive-weight sources."""
+    k = sum(1 for w in weights.values() if w > 0)
+    return math.ceil(math.log2(k)) if k > 1 else 0
+
+
+def max_window_error(seq: list[str], weights: dict[str, float]) -> float:
+    """The largest |count - n * share| of any source over any window of any length n."""
+    names = sorted(weights)
+    total = sum(weights.values())
+    share = np.array([weights[n] / total for n in names])
+    onehot = np.array([[s == n for n in names] for s in seq], dtype=np.int64)
+    prefix = np.vstack([np.zeros(len(names), dtype=np.int64), np.cumsum(onehot, axis=0)])
+    worst = 0.0
+    for n in range(1, len(seq) + 1):
+        err = np.abs((prefix[n:] - prefix[:-n]) - n * share)
+        worst = max(worst, float(err.max()))
+    return worst
+
+
+def check_passes(seq: list[tuple[str, int]], lengths: dict[str, int]) -> None:
+    """Each source's draws, cut into passes of its length: no repeat within a pass, and a
+    complete pass is a permutation of the whole source."""
+    for name, n in lengths.items():
+        drawn = [i for s, i in seq if s == name]
+        for start in range(0, len(drawn), n):
+            chunk = drawn[start : start + n]
+            assert len(set(chunk)) == len(chunk), f"{name}: a repeat within pass {start // n}"
+            assert all(0 <= i < n for i in chunk)
+            if len(chunk) == n:
+                assert sorted(chunk) == list(range(n))
+
+
+sources_st = st.dictionaries(
+    st.sampled_from(["web", "code", "math", "books", "wiki"]),
+    st.integers(1, 40),
+    min_size=1,
+    max_size=5,
+)
+
+
+@st.composite
+def mixtures(draw: Any) -> tuple[dict[str, int], dict[str, float], int]:
+    lengths = draw(sources_st)
+    ws = draw(
+        st.lists(
+            st.one_of(st.integers(0, 9), st.floats(0.01, 5.0)),
+            min_size=len(lengths),
+            max_size=len(lengths),
+        )
+    )
+    weights = dict(zip(sorted(lengths), ws))
+    if not any(weights.values()):
+        weights[sorted(lengths)[0]] = 1
+    return lengths, weights, draw(st.integers(0, 2**64 - 1))
+
+
+# ---- the plan itself ----------------------------------------------------------------------------
+@FAST
+@given(mixtures(), st.integers(0, 10**12))
+def test_every_window_holds_the_proportions_within_the_tree_depth(
+    m: tuple[dict[str, int], dict[str, float], int], start: int
+) -> None:
+    lengths, weights, seed = m
+    mix = Mixture(tagged(lengths), weights, seed=seed)
+    seq = [s for s, _ in plan(mix, range(start, start + 300))]
+    assert max_window_error(seq, weights) <= depth(weights) + 1e-9
+    for name, w in weights.items():
+        if w == 0:
+            assert name not in seq
+
+
+def test_exact_ratios_of_decimal_weights() -> None:
+    # 0.7 and 0.3 are read as 7/10 and 3/10: every 10 positions hold exactly 7 and 3.
+    mix = Mixture(tagged({"a": 5, "b": 5}), {"a": 0.7, "b": 0.3}, seed=1)
+    seq = [s for s, _ in plan(mix, range(10**6, 10**6 + 1000))]
+    assert max_window_error(seq, {"a": 0.7, "b": 0.3}) < 1
+    assert Counter(seq) == {"a": 700, "b": 300}
+
+
+@FAST
+@given(mixtures(), st.integers(0, 10**9))
+def test_no_item_of_a_source_repeats_within_a_pass(
+    m: tuple[dict[str, int], dict[str, float], int], start: int
+) -> None:
+    lengths, weights, seed = m
+    mix = Mixture(tagged(lengths), weights, seed=seed)
+    counts = mix.counts_before(start)
+    seq = plan(mix, range(start, start + 400))
+    # Cut at the pass boundaries: drop each source's draws until its next pass starts.
+    aligned = []
+    skip = {n: (-counts[n]) % lengths[n] for n in lengths}
+    for s, i in seq:
+        if skip[s]:
+            skip[s] -= 1
+        else:
+            aligned.append((s, i))
+    check_passes(aligned, lengths)
+    # counts_before is the closed form of what the positions drew.
+    after = mix.counts_before(start + 400)
+    assert {n: after[n] - counts[n] for n in lengths} == {
+        n: sum(1 for s, _ in seq if s == n) for n in lengths
+    }
+
+
+@pytest.mark.parametrize("n", [*range(1, 70), 255, 256, 257, 1000])
+def test_each_pass_permutation_is_a_bijection(n: int) -> None:
+    keys = (11, 22, 33, 2**30 - 1)
+    assert sorted(_permute(x, n, keys) for x in range(n)) == list(range(n))
+    if n >= 8:
+        assert [_permute(x, n, keys) for x in range(n)] != list(range(n)), "not shuffled"
+
+
+def test_passes_differ_and_seeds_differ() -> None:
+    mix = Mixture(tagged({"a": 50}), {"a": 1}, seed=3)
+    first, second = plan(mix, range(50)), plan(mix, range(50, 100))
+    assert sorted(first) == sorted(second) and first != second
+    assert plan(Mixture(tagged({"a": 50}), {"a": 1}, seed=4), range(50)) != first
+
+
+def test_deterministic_and_free_of_global_rngs() -> None:
+    lengths = {"web": 97, "code": 13, "math": 5}
+    weights = {"web": 5, "code": 2.5, "math": 0.5}
+    states = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    a = plan(Mixture(tagged(lengths), weights, seed=9), range(2000))
+    assert random.getstate() == states[0]
+    assert np.array_equal(np.random.get_state()[1], states[1])
+    assert torch.equal(torch.get_rng_state(), states[2])
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    # The order of the mapping does not matter either: names are sorted.
+    reordered = {n: Tagged(n, lengths[n]) for n in reversed(list(lengths))}
+    assert plan(Mixture(reordered, weights, seed=9), range(2000)) == a
+    unpickled = pickle.loads(pickle.dumps(Mixture(tagged(lengths), weights, seed=9)))
+    assert plan(unpickled, range(2000)) == a
+
+
+def test_the_plan_is_the_same_in_another_interpreter() -> None:
+    # Another process with another hash seed: nothing may depend on hash() or the RNGs.
+    code = (
+        "from resumable_loader import Mixture\n"
+        "m = Mixture({n: range(k) for n, k in [('web', 97), ('code', 13), ('math', 5)]},\n"
+        "            {'web': 5, 'code': 2.5, 'math': 0.5}, seed=9)\n"
+        "print([m.source_of(g) for g in range(3000, 3300)])\n"
+    )
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    lengths = {"web": 97, "code": 13, "math": 5}
+    mix = Mixture(tagged(lengths), {"web": 5, "code": 2.5, "math": 0.5}, seed=9)
+    assert out.stdout.strip() == repr(plan(mix, range(3000, 3300)))
+
+
+def test_epochs_are_blocks_of_global_positions() -> None:
+    mix = Mixture(tagged({"a": 7, "b": 4}), {"a": 2, "b": 1}, seed=5)
+    n = len(mix)
+    assert n == 11
+    flat = [mix[g] for g in range(3 * n)]
+    assert flat[:n] == list(mix)
+    mix.set_epoch(2)
+    assert mix.epoch == 2
+    assert [mix[i] for i in range(n)] == list(mix) == flat[2 * n :]
+    assert mix[-1] == flat[-1] and mix.source_of(-n) == mix.source_of(0)
+    with pytest.raises(IndexError, match="out of range"):
+        mix[-n - 1]
+    assert flat[:n] != flat[n : 2 * n], "epochs must differ"
+
+
+def test_num_samples_sets_the_epoch_length_and_small_sources_cycle() -> None:
+    mix = Mixture(tagged({"big": 1000, "tiny": 3}), {"big": 1, "tiny": 1}, num_samples=60)
+    assert len(mix) == 60
+    seq = plan(mix, range(60))
+    assert Counter(s for s, _ in seq) == {"big": 30, "tiny": 30}
+    check_passes(seq, {"big": 1000, "tiny": 3})  # tiny: ten full passes
+
+
+# ---- cut over objects, ranks and resumes --------------------------------------------------------
+@FAST
+@given(
+    mixtures(),
+    st.lists(st.integers(1, 60), min_size=1, max_size=6),
+    st.integers(1, 4),
+    st.sampled_from(["dict", "json", "torch"]),
+)
+def test_the_sequence_is_the_same_however_it_is_cut(
+    m: tuple[dict[str, int], dict[str, float], int], cuts: list[int], world: int, via: str
+) -> None:
+    lengths, weights, seed = m
+    total = sum(cuts)
+    reference = plan(Mixture(tagged(lengths), weights, seed=seed), range(total))
+    # Resumed at every cut, each piece by a fresh object loaded from the last one's state
+    # (built with another seed: the state's seed wins, as the loader's does).
+    got: list[tuple[str, int]] = []
+    prev: Mixture | None = None
+    at = 0
+    for size in cuts:
+        mix = Mixture(tagged(lengths), weights, seed=seed ^ 1)
+        if prev is None:
+            mix = Mixture(tagged(lengths), weights, seed=seed)
+        else:
+            mix.load_state_dict(roundtrip_state(prev.state_dict(), via))
+        got += plan(mix, range(at, at + size))
+        prev, at = mix, at + size
+    assert got == reference
+    # Strided over ranks, each on its own copy: the union, put back in position order.
+    merged: list[Any] = [None] * total
+    for rank in range(world):
+        mix = pickle.loads(pickle.dumps(Mixture(tagged(lengths), weights, seed=seed)))
+        for g in range(rank, total, world):
+            merged[g] = mix.source_of(g)
+    assert merged == reference
+
+
+N = 48
+LENGTHS = {"web": 30, "code": 11, "math": 4}
+WEIGHTS = {"web": 0.6, "code": 0.3, "math": 0.1}
+
+
+def make_mix(**kw: Any) -> Mixture:
+    kw.setdefault("num_samples", N)
+    return Mixture(tagged(LENGTHS), kw.pop("weights", WEIGHTS), seed=42, **kw)
+
+
+def flat(batches: Any) -> list[str]:
+    return [x for b in batches for x in b]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_values_through_the_loader_match_a_list_comprehension(workers: int) -> None:
+    reference = make_mix()
+    mix = make_mix()
+    for epoch in range(2):
+        reference.set_epoch(epoch)
+        expected = [reference[i] for i in range(N)]
+        mix.set_epoch(epoch)  # before iter(): the epoch's (non-persistent) workers copy it
+        with DataLoader(mix, batch_size=5, num_workers=workers) as loader:
+            assert flat(loader) == expected
+    assert expected != [make_mix()[i] for i in range(N)], "epoch 1 must differ from epoch 0"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_sampler_shares_union_to_the_epoch(world: int) -> None:
+    reference = [make_mix()[i] for i in range(N)]
+    union: list[str] = []
+    for rank in range(world):
+        sampler = DistributedSampler(make_mix(), world, rank, shuffle=True, seed=7)
+        with DataLoader(make_mix(), batch_size=4, sampler=sampler) as loader:
+            got = flat(loader)
+        assert got == [reference[p] for p in sampler]
+        union += got
+    assert sorted(union) == sorted(reference)
+
+
+@pytest.mark.parametrize(
+    ("workers", "shuffle", "batch_size"), [(0, True, 5), (2, False, 4), (2, True, 3)]
+)
+def test_loader_resume_continues_the_uninterrupted_stream(
+    workers: int, shuffle: bool, batch_size: int
+) -> None:
+    def make() -> DataLoader:
+        return DataLoader(
+            make_mix(),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(5),
+        )
+
+    assert check_resume(make, epochs=1, via="json", steps=[0, 3, 7, 11, 100]) >= 4
+
+
+# ---- weights changed at a resume ----------------------------------------------------------------
+@FAST
+@given(mixtures(), st.data())
+def test_new_weights_from_the_resume_point_on(
+    m: tuple[dict[str, int], dict[str, float], int], data: Any
+) -> None:
+    lengths, old, seed = m
+    names = sorted(lengths)
+    new = dict(zip(names, data.draw(st.permutations([old[n] for n in names]))))
+    new[names[-1]] = data.draw(st.integers(0, 4))
+    if not any(new.values()):
+        new[names[0]] = 1
+    at = data.draw(st.integers(0, 300))
+    before = Mixture(tagged(lengths), old, seed=seed)
+    uninterrupted = plan(before, range(at + 300))
+    resumed = Mixture(tagged(lengths), new, seed=seed)
+    resumed.load_state_dict(json.loads(json.dumps(before.state_dict())), resume_at=at)
+    got = plan(resumed, range(at + 300))
+    assert got[:at] == uninterrupted[:at], "what was consumed must stay consumed"
+    assert max_window_error([s for s, _ in got[at:]], new) <= depth(new) + 1e-9
+    check_passes(got, lengths)  # the current pass of each source continues: no repeat
+    # The state carries the change: a third object continues the same plan.
+    third = Mixture(tagged(lengths), new, seed=0)
+    third.load_state_dict(resumed.state_dict())
+    assert plan(third, range(at + 300)) == got
+
+
+def test_set_weights_history_and_its_rules() -> None:
+    mix = make_mix()
+    reference = plan(mix, range(200))
+    mix.set_weights({"web": 3, "code": 1, "math": 1}, 120)
+    mix.set_weights({"web": 1, "code": 2, "math": 3}, 150)
+    assert [start for start, _ in mix.history] == [0, 120, 150]
+    # The same ratios again change nothing; the newest segment's start replaces it.
+    mix.set_weights({"web": 10, "code": 20, "math": 30}, 170)
+    assert len(mix.history) == 3
+    mix.set_weights({"web": 1, "code": 0, "math": 0}, 150)
+    assert mix.history[-1] == (150, {"web": 1, "code": 0, "math": 0})
+    seq = plan(mix, range(400))
+    assert seq[:120] == reference[:120]
+    assert {s for s, _ in seq[150:]} == {"web"}
+    check_passes(seq, LENGTHS)
+    with pytest.raises(ValueError, match=r"from position 150 on.*>= 150"):
+        mix.set_weights(WEIGHTS, 149)
+    assert [s for s, _ in mix.history] == [0, 120, 150]
+
+
+def test_new_weights_without_a_resume_point_keep_the_checkpoints_with_a_warning() -> None:
+    saved = make_mix().state_dict()
+    mix = make_mix(weights={"web": 1, "code": 1, "math": 1})
+    with pytest.warns(UserWarning, match=r"kept the checkpoint's.*resume_at="):
+        mix.load_state_dict(saved)
+    assert mix.weights == WEIGHTS and plan(mix, range(100)) == plan(make_mix(), range(100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_mix().load_state_dict(saved)  # same weights: nothing to say
+
+
+# ---- state and refusals -------------------------------------------------------------------------
+def test_state_is_plain_small_data_with_the_fingerprints() -> None:
+    srcs = {"web": Fingerprinted("web", 10**7, fp="sha256:abc"), "code": Tagged("code", 3)}
+    mix = Mixture(srcs, {"web": 0.9, "code": 0.1}, seed=2**64 - 1)
+    mix.set_weights({"web": 0.5, "code": 0.5}, 10**12)
+    sd = mix.state_dict()
+    assert json.loads(json.dumps(sd)) == sd
+    assert roundtrip_state(sd, "torch") == sd
+    assert sd["sources"] == [
+        {"name": "code", "length": 3, "fingerprint": None},
+        {"name": "web", "length": 10**7, "fingerprint": "sha256:abc"},
+    ]
+    assert len(json.dumps(sd)) < 500
+    other = Mixture(
+        dict(srcs, web=Fingerprinted("web", 10**7, fp="sha256:abd")), {"web": 1, "code": 1}
+    )
+    assert other.fingerprint() != mix.fingerprint()
+    assert mix.fingerprint() == Mixture(srcs, {"web": 1, "code": 1}, seed=1).fingerprint()
+
+
+def _refusal(mix: Mixture, state: Any, *match: str) -> None:
+    before = mix.state_dict()
+    with pytest.raises(CheckpointError) as info:
+        mix.load_state_dict(state, resume_at=0)
+    for text in match:
+        assert text in str(info.value), str(info.value)
+    assert mix.state_dict() == before, "a refused state must leave the mixture as it was"
+
+
+def test_changed_sources_are_refused_naming_what_changed() -> None:
+    saved = make_mix().state_dict()
+    added = Mixture(dict(tagged(LENGTHS), wiki=Tagged("wiki", 5)), dict(WEIGHTS, wiki=1))
+    _refusal(added, saved, "['wiki'] added", "checkpoint: ['code', 'math', 'web']")
+    removed = Mixture(tagged({"web": 30, "code": 11}), {"web": 1, "code": 1}, num_samples=N)
+    _refusal(removed, saved, "['math'] removed")
+    longer = Mixture(tagged(dict(LENGTHS, code=12)), WEIGHTS, num_samples=N)
+    _refusal(longer, saved, "source 'code' had 11 items in the checkpoint, now 12")
+    fp = Mixture(
+        dict(tagged(LENGTHS), web=Fingerprinted("web", 30, fp="v2")), WEIGHTS, num_samples=N
+    )
+    _refusal(fp, saved, "source 'web' has fingerprint 'v2', the checkpoint None")
+    _refusal(make_mix(num_samples=N + 1), saved, "num_samples=48, this one 49")
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda sd: sd.pop("weights"), "missing keys ['weights']"),
+        (lambda sd: sd.update(kind="loader"), "kind is 'loader'"),
+        (lambda sd: sd.update(version=2), "version 2"),
+        (lambda sd: sd.update(seed=-1), "seed must be in"),
+        (lambda sd: sd.update(weights=[]), "non-empty list"),
+        (lambda sd: sd["weights"][0].update({"from": 3}), "start at 0"),
+        (lambda sd: sd["weights"].append(dict(sd["weights"][0])), "increasing positions"),
+        (lambda sd: sd["weights"][0]["weights"].pop("web"), "no weight for ['web']"),
+        (lambda sd: sd["weights"][0]["weights"].update(web=-1), "must be >= 0"),
+        (lambda sd: sd.update(sources="web"), "'sources' is 'web'"),
+    ],
+)
+def test_malformed_states_are_refused(change: Any, match: str) -> None:
+    sd = make_mix().state_dict()
+    change(sd)
+    _refusal(make_mix(), sd, match)
+
+
+def test_a_resume_point_before_the_checkpoints_newest_weights_is_refused() -> None:
+    mix = make_mix()
+    mix.set_weights({"web": 1, "code": 1, "math": 1}, 100)
+    fresh = make_mix(weights={"web": 0, "code": 1, "math": 0})
+    with pytest.raises(CheckpointError, match="apply from 100 on"):
+        fresh.load_state_dict(mix.state_dict(), resume_at=99)
+    assert fresh.history == [(0, {"web": 0, "code": 1, "math": 0})]
+
+
+@pytest.mark.parametrize(
+    ("sources", "weights", "kw", "exc", "match"),
+    [
+        ({}, {}, {}, ValueError, "non-empty mapping"),
+        ({"a": Tagged("a", 0)}, {"a": 1}, {}, ValueError, "source 'a' is empty"),
+        ({"a": iter([1])}, {"a": 1}, {}, TypeError, "has no len()"),
+        ({1: Tagged("a", 2)}, {1: 1}, {}, TypeError, "names must be strings"),
+        ({"a": Tagged("a", 2)}, {"b": 1}, {}, ValueError, "no weight for ['a']"),
+        ({"a": Tagged("a", 2)}, {"a": 0}, {}, ValueError, "all are 0"),
+        ({"a": Tagged("a", 2)}, {"a": float("nan")}, {}, ValueError, "finite"),
+        ({"a": Tagged("a", 2)}, {"a": True}, {}, TypeError, "must be a number"),
+        ({"a": Tagged("a", 2)}, [1], {}, TypeError, "must be a mapping"),
+        ({"a": Tagged("a", 2)}, {"a": 1}, {"seed": -1}, ValueError, "seed must be in"),
+        ({"a": Tagged("a", 2)}, {"a": 1}, {"num_samples": 0}, ValueError, "num_samples must"),
+        ({"a": Fingerprinted("a", 2, fp=3)}, {"a": 1}, {}, TypeError, "must return a str"),
+    ],
+)
+def test_bad_arguments_say_what_is_wrong(
+    sources: Any, weights: Any, kw: dict[str, Any], exc: type, match: str
+) -> None:
+    with pytest.raises(exc) as info:
+        Mixture(sources, weights, **kw)
+    assert match in str(info.value)
