@@ -21,8 +21,9 @@ Rules:
   (``os._exit`` can only happen inside the worker);
 * ``checkpoint``: ``state_dict()`` through dict, ``dump_state`` bytes, torch.save
   (``weights_only`` load) or json, then continue from it -- in a freshly built loader with
-  another generator, after the global RNG was reseeded and drawn from (for map-style datasets, often with other num_workers / prefetch /
-  persistence / start method) or in the same loader via ``load_state_dict``;
+  another generator, after the global RNG was reseeded and drawn from (for map-style
+  datasets, often with other num_workers / prefetch / persistence / start method) or in the
+  same loader via ``load_state_dict``;
 * ``rewind``: go back to an earlier checkpoint, in a fresh loader;
 * ``new_epoch``: ``iter(loader)`` again, abandoning the rest of the epoch where the next epoch
   is then still well defined (else the epoch is finished first);
