@@ -26,13 +26,14 @@ from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, SequentialSampler
 
 from . import _distributed as D
 from . import _schema as S
 from ._errors import CheckpointError, LoaderClosedError
 from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
 from ._lifecycle import Cursor
+from ._mixture import Mixture, follow_epoch
 from ._pin import pin_memory
 from ._samplers import BatchSampler as OurBatchSampler
 from ._samplers import RandomSampler as OurRandomSampler
@@ -307,6 +308,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 "pool serves one iterator at a time"
             )
         it: BaseIter
+        follow_epoch(self.dataset, epoch)
         try:
             self._warn_fast_forward(rp)
             setup = self._epoch_setup(epoch)
@@ -550,6 +552,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             else:
                 rp.sampler_epoch = self._plan.sampler.epoch
         rp.chain = None if self._plan.kind == DISTRIBUTED else self._chain.state()
+        if isinstance(self.dataset, Mixture):
+            rp.plan = self.dataset.state_dict()
         rp.skipped = [list(x) for x in self._counters.skipped]
         return rp.to_state(self._config)
 
@@ -658,6 +662,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                     f"batches consumed, but an epoch of this loader has only {total}. Build the "
                     "loader with the dataset and batch size of the checkpoint."
                 )
+        self._load_plan(rp)
         rp.source = copy.deepcopy(state_dict) if state_dict is not None else None
         if rp.distributed:
             # Its epoch, as a script that calls set_epoch() before each epoch would set it.
@@ -677,6 +682,36 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._resume = rp
         self._next_epoch = rp.epoch
         self._counters.skipped = [[e, t, S.plain_indices(i)] for e, t, i in rp.skipped]
+
+    def _load_plan(self, rp: S.ResumePoint) -> None:
+        """A ``Mixture``'s plan from the state: the last check that can refuse it (the mixture
+        is left as it was on refusal). New weights the mixture was built with apply from the
+        first position not yet consumed: in a sequential epoch, the next sample; in a shuffled
+        one (whose consumed positions are scattered), the next epoch."""
+        mix = self.dataset
+        if not isinstance(mix, Mixture):
+            if rp.plan is not None:
+                raise CheckpointError(
+                    f"cannot load DataLoader state: {S.K_PLAN}: the state holds a Mixture's "
+                    f"plan, but this loader's dataset is a {type(mix).__name__}. Build the "
+                    "loader over the Mixture the checkpoint was taken with."
+                )
+            return
+        if rp.plan is None:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_PLAN}: missing, but this loader's dataset "
+                "is a Mixture. The state was taken over another dataset."
+            )
+        n = len(mix)
+        begun = rp.consumed or rp.ahead or rp.history or rp.drawn
+        at = rp.epoch * n
+        if begun:
+            sequential = (
+                self._plan.kind == BUILTIN and type(self._plan.sampler) is SequentialSampler
+            )
+            per_task = self.batch_size if self._auto_collation else 1
+            at = at + rp.consumed * (per_task or 1) if sequential and not rp.ahead else at + n
+        mix.load_state_dict(rp.plan, resume_at=at)
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits,

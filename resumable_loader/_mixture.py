@@ -232,6 +232,13 @@ class _Segment:
         return m
 
 
+def follow_epoch(dataset: Any, epoch: int) -> None:
+    """Tell a ``Mixture`` which epoch its positions are in (the loader calls it at ``iter()``
+    and each worker at the epoch's start); any other dataset is left alone."""
+    if isinstance(dataset, Mixture):
+        dataset.set_epoch(epoch)
+
+
 class Mixture(Dataset[Any]):
     """A map-style dataset that mixes named map-style sources by weight, deterministically.
 

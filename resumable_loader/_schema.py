@@ -29,6 +29,8 @@ is json-able) and msgpack (``dump_state``). Keys:
                           after ``state_at`` of them (the rest are replayed on resume); and
                           the worker whose batch comes next
     skipped               poison tasks skipped so far: [epoch, task id, indices]
+    data_plan             a ``Mixture`` dataset's own state (its seed, weights history and
+                          sources' names, lengths and fingerprints); absent for other datasets
     distributed           torch's DistributedSampler only: {sampler_epoch, history}: the
                           sampler's epoch being iterated, and the levels of resumes on another
                           world size within it ([[world size, [samples each rank took]], ...])
@@ -66,6 +68,7 @@ K_OUTSTANDING = "outstanding"
 K_WORKERS = "workers"
 K_NEXT_WORKER = "next_worker"
 K_SKIPPED = "skipped"
+K_PLAN = "data_plan"
 
 # The top-level keys, in the order a state holds them (and the CLI's summary shows them).
 KNOWN_KEYS = (
@@ -85,6 +88,7 @@ KNOWN_KEYS = (
     K_OUTSTANDING,
     K_WORKERS,
     K_NEXT_WORKER,
+    K_PLAN,
 )
 
 # Config fields that must match for a state to be loaded; num_workers only for streams (a
@@ -158,6 +162,7 @@ class ResumePoint:
     skipped: list[Any] = field(default_factory=list)
     sampler_epoch: int = 0
     history: list[Any] = field(default_factory=list)
+    plan: dict[str, Any] | None = None
     stateful: bool = False
     iterable: bool = False
     distributed: bool = False
@@ -184,6 +189,8 @@ class ResumePoint:
         if self.iterable:
             sd[K_WORKERS] = [w.to_state(wid) for wid, w in enumerate(self.workers)]
             sd[K_NEXT_WORKER] = self.next_worker
+        if self.plan is not None:
+            sd[K_PLAN] = self.plan
         if self.distributed:
             sd[K_DIST] = {
                 "sampler_epoch": self.sampler_epoch,
@@ -322,6 +329,10 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     if str(config["sampler"]).startswith("distributed("):
         _read_distributed(sd, rp)
     rp.skipped = _read_skipped(sd)
+    plan = sd.get(K_PLAN)
+    if plan is not None and not isinstance(plan, dict):
+        raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
+    rp.plan = plan
     _check_begun(rp)
     return rp
 

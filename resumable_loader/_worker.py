@@ -31,6 +31,7 @@ import torch
 
 from . import _transport
 from ._errors import RemoteTraceback
+from ._mixture import follow_epoch
 from ._protocol import (
     Booted,
     Epoch,
@@ -637,6 +638,7 @@ class _WorkerLoop:
         else:
             self.fetcher = MapFetcher(spec.dataset, spec.auto_collation, spec.collate_fn)
             self.run_task = make_retrier(spec.retry, self._reseed)
+        self.spec_dataset = spec.dataset
         self.base = spec.base_seed
         self.epoch = 0
         self.gen = -1  # epoch generation: results carry it so stale ones can be told apart
@@ -685,6 +687,8 @@ class _WorkerLoop:
                 self.gen, self.epoch, self.base = msg.gen, msg.epoch, msg.base_seed
                 if isinstance(self.fetcher, MapFetcher):
                     self.fetcher.sample_seed = msg.sample_seed
+                    # A persistent worker's copy of a data plan learns the epoch here.
+                    follow_epoch(self.spec_dataset, msg.epoch)
                 elif not self._start_stream(msg.resume):
                     return False
             else:  # Stop

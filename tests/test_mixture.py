@@ -498,3 +498,56 @@ def test_bad_arguments_say_what_is_wrong(
     with pytest.raises(exc) as info:
         Mixture(sources, weights, **kw)
     assert match in str(info.value)
+
+
+# ---- the loader keeps the plan -------------------------------------------------------------
+
+
+def _mix(weights: dict[str, float]) -> Mixture:
+    return Mixture({"a": list(range(10)), "b": list(range(100, 113))}, weights, seed=3)
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, True)])
+def test_the_loader_saves_the_plan_and_new_weights_apply_from_the_resume(
+    workers: int, persistent: bool
+) -> None:
+    # The loader sets the epoch (the main process and persistent workers) and saves the plan in
+    # its state; a loader over the same sources with new weights continues the consumed stream
+    # and uses the new weights from the first unconsumed sample (a sequential epoch) on.
+    def loader(mix: Mixture) -> DataLoader:
+        return DataLoader(mix, batch_size=4, num_workers=workers, persistent_workers=persistent)
+
+    n, k = len(_mix({"a": 1, "b": 1})), 2  # resume after 2 batches of epoch 1
+    at = n + 4 * k
+    want_mix = _mix({"a": 1, "b": 1})
+    want_mix.set_weights({"a": 1, "b": 3}, at)
+    ref = loader(want_mix)
+    want = [[int(x) for b in ref for x in b] for _ in range(3)]
+    ref.close()
+
+    first = loader(_mix({"a": 1, "b": 1}))
+    got = [[int(x) for b in first for x in b]]
+    it = iter(first)
+    got.append([int(x) for _ in range(k) for x in next(it)])
+    sd = first.state_dict()
+    assert sd["data_plan"]["weights"] == [{"from": 0, "weights": {"a": 1, "b": 1}}]
+    del it
+    first.close()
+    resumed = loader(_mix({"a": 1, "b": 3}))
+    resumed.load_state_dict(sd)
+    got[1] += [int(x) for b in resumed for x in b]
+    got.append([int(x) for b in resumed for x in b])
+    resumed.close()
+    assert got == want
+
+
+def test_a_plan_over_other_sources_is_refused_and_nothing_changes() -> None:
+    sd = DataLoader(_mix({"a": 1, "b": 1}), batch_size=4).state_dict()
+    other = Mixture({"a": list(range(10)), "c": list(range(13))}, {"a": 1, "c": 1}, seed=3)
+    loader = DataLoader(other, batch_size=4)
+    before = loader.state_dict()
+    with pytest.raises(CheckpointError, match="added"):
+        loader.load_state_dict(sd)
+    assert loader.state_dict() == before
+    with pytest.raises(CheckpointError, match="data_plan"):
+        DataLoader(list(range(23)), batch_size=4).load_state_dict(sd)
