@@ -43,7 +43,9 @@ from ._seeding import (
     SAMPLE,
     WORKER,
     SeedChain,
+    decode_generator,
     derive_seed,
+    encode_generator,
 )
 from ._stats import Counters, LoaderStatistics
 from ._supervisor import Supervisor
@@ -247,6 +249,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         # The seed of the latest epoch begun; self._chain (above) is where the next epochs'
         # seeds come from (its state is in every state_dict(): later epochs are the saved job's).
         self._seed = 0
+        self._epoch_rng: str | None = None  # a fast-forwarded sampler's generator at iter()
         self._next_epoch = 0
         self._resume: S.ResumePoint | None = None
         self._active: Callable[[], BaseIter | None] = lambda: None
@@ -309,6 +312,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
         it: BaseIter
         follow_epoch(self.dataset, epoch)
+        gen = self._plan.sampler_generator
+        self._epoch_rng = encode_generator(gen) if gen is not None else None
         try:
             self._warn_fast_forward(rp)
             setup = self._epoch_setup(epoch)
@@ -554,6 +559,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         rp.chain = None if self._plan.kind == DISTRIBUTED else self._chain.state()
         if isinstance(self.dataset, Mixture):
             rp.plan = self.dataset.state_dict()
+        gen = self._plan.sampler_generator
+        if gen is not None:
+            # Inside an epoch: as it began (the resume fast-forwards through the same draws);
+            # between epochs: as the next epoch begins.
+            rp.sampler_rng = self._epoch_rng if rp.seed is not None else encode_generator(gen)
         rp.skipped = [list(x) for x in self._counters.skipped]
         return rp.to_state(self._config)
 
@@ -663,6 +673,16 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                     "loader with the dataset and batch size of the checkpoint."
                 )
         self._load_plan(rp)
+        gen = self._plan.sampler_generator
+        if (gen is None) != (rp.sampler_rng is None) and rp.seed is not None:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_SAMPLER_RNG}: the checkpoint's sampler "
+                f"{'drew from' if gen is None else 'had no'} generator of its own, this "
+                f"loader's sampler {'has none' if gen is None else 'has one'}. Build the "
+                "sampler as the checkpoint's was (with or without generator=)."
+            )
+        if gen is not None and rp.sampler_rng is not None:
+            gen.set_state(decode_generator(rp.sampler_rng))
         rp.source = copy.deepcopy(state_dict) if state_dict is not None else None
         if rp.distributed:
             # Its epoch, as a script that calls set_epoch() before each epoch would set it.

@@ -113,6 +113,16 @@ class IndexPlan:
                 if auto_collation and type(batch_sampler) in _BATCHERS:
                     self.description += f"({_qualname(inner)})"
         self._inner = inner
+        # FASTFORWARD: a generator of the sampler's own (torch's SubsetRandomSampler and
+        # WeightedRandomSampler take one). Its state at each epoch's start is saved, so the
+        # fast-forward of a resumed epoch redraws what was drawn, and later epochs follow.
+        self.sampler_generator: torch.Generator | None = None
+        if self.kind == FASTFORWARD:
+            for obj in (index_sampler, inner):
+                gen = getattr(obj, "generator", None)
+                if isinstance(gen, torch.Generator):
+                    self.sampler_generator = gen
+                    break
         # DISTRIBUTED: the sampler epoch and the levels' history of the epoch being iterated,
         # set by the loader before it asks for the epoch (see ``distributed_share``).
         self.dist_position: tuple[int, list[Any]] = (0, [])

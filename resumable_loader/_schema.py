@@ -29,6 +29,9 @@ is json-able) and msgpack (``dump_state``). Keys:
                           after ``state_at`` of them (the rest are replayed on resume); and
                           the worker whose batch comes next
     skipped               poison tasks skipped so far: [epoch, task id, indices]
+    sampler_generator     a fast-forwarded sampler's own generator (SubsetRandomSampler(...,
+                          generator=g)): its state at the epoch's start (inside an epoch) or
+                          now (between epochs); absent for other samplers
     data_plan             a ``Mixture`` dataset's own state (its seed, weights history and
                           sources' names, lengths and fingerprints); absent for other datasets
     distributed           torch's DistributedSampler only: {sampler_epoch, history}: the
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import CheckpointError
-from ._seeding import check_chain
+from ._seeding import check_chain, check_generator
 
 FORMAT = "resumable_loader.DataLoader"
 # 3: the seed chain (the source of every later epoch's seed) is part of the state, so later
@@ -69,6 +72,7 @@ K_WORKERS = "workers"
 K_NEXT_WORKER = "next_worker"
 K_SKIPPED = "skipped"
 K_PLAN = "data_plan"
+K_SAMPLER_RNG = "sampler_generator"
 
 # The top-level keys, in the order a state holds them (and the CLI's summary shows them).
 KNOWN_KEYS = (
@@ -88,6 +92,7 @@ KNOWN_KEYS = (
     K_OUTSTANDING,
     K_WORKERS,
     K_NEXT_WORKER,
+    K_SAMPLER_RNG,
     K_PLAN,
 )
 
@@ -163,6 +168,7 @@ class ResumePoint:
     sampler_epoch: int = 0
     history: list[Any] = field(default_factory=list)
     plan: dict[str, Any] | None = None
+    sampler_rng: str | None = None
     stateful: bool = False
     iterable: bool = False
     distributed: bool = False
@@ -189,6 +195,8 @@ class ResumePoint:
         if self.iterable:
             sd[K_WORKERS] = [w.to_state(wid) for wid, w in enumerate(self.workers)]
             sd[K_NEXT_WORKER] = self.next_worker
+        if self.sampler_rng is not None:
+            sd[K_SAMPLER_RNG] = self.sampler_rng
         if self.plan is not None:
             sd[K_PLAN] = self.plan
         if self.distributed:
@@ -333,6 +341,12 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     if plan is not None and not isinstance(plan, dict):
         raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
     rp.plan = plan
+    rng = sd.get(K_SAMPLER_RNG)
+    if rng is not None:
+        problem = check_generator(rng)
+        if problem is not None:
+            raise _fail(K_SAMPLER_RNG, problem, "the state is damaged")
+        rp.sampler_rng = rng
     _check_begun(rp)
     return rp
 

@@ -358,8 +358,7 @@ class SeedChain:
     def state(self) -> dict[str, Any]:
         """What the next ``next_seed()`` draws from, as plain data."""
         if self.generator is not None:
-            raw = bytes(self.generator.get_state().numpy().tobytes())
-            return {CHAIN_GENERATOR: base64.b64encode(raw).decode("ascii")}
+            return {CHAIN_GENERATOR: encode_generator(self.generator)}
         if self._root is None:
             self._root = draw_base_seed(None)
             self._look()
@@ -373,12 +372,11 @@ class SeedChain:
         """Continue from ``state`` (validated by ``check_chain``): it wins over this chain's
         generator, root and whatever the global RNG holds."""
         if CHAIN_GENERATOR in state:
-            raw = base64.b64decode(state[CHAIN_GENERATOR])
             if self.generator is None:
                 # The saved job drew from a generator this loader was not given: keep drawing
                 # from one in that state, so the later epochs are the saved job's.
                 self.generator = torch.Generator()
-            self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            self.generator.set_state(decode_generator(state[CHAIN_GENERATOR]))
         else:
             self.generator = None  # the saved job's chain, not this loader's generator
             self._root, self._next = state[CHAIN_ROOT], state[CHAIN_NEXT]
@@ -386,20 +384,34 @@ class SeedChain:
         self._look()
 
 
+def encode_generator(gen: torch.Generator) -> str:
+    """A CPU generator's state as plain data (base64 text)."""
+    return base64.b64encode(gen.get_state().numpy().tobytes()).decode("ascii")
+
+
+def decode_generator(text: str) -> torch.Tensor:
+    """The state ``encode_generator`` wrote, for ``Generator.set_state``."""
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def check_generator(text: Any) -> str | None:
+    """What is wrong with an encoded generator state, or None if a CPU generator takes it."""
+    if not isinstance(text, str) or len(text) > 16384:
+        return "the generator state must be a base64 string"
+    try:
+        base64.b64decode(text, validate=True)
+        torch.Generator().set_state(decode_generator(text))
+    except Exception as exc:
+        return f"the generator state is not a CPU generator's ({type(exc).__name__})"
+    return None
+
+
 def check_chain(state: Any) -> str | None:
     """What is wrong with a seed chain's plain state, or None if it can be loaded."""
     if not isinstance(state, dict):
         return f"expected a dict, got {type(state).__name__}"
     if set(state) == {CHAIN_GENERATOR}:
-        text = state[CHAIN_GENERATOR]
-        if not isinstance(text, str) or len(text) > 16384:
-            return "the generator state must be a base64 string"
-        try:
-            raw = base64.b64decode(text, validate=True)
-            torch.Generator().set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        except Exception as exc:
-            return f"the generator state is not a CPU generator's ({type(exc).__name__})"
-        return None
+        return check_generator(state[CHAIN_GENERATOR])
     if set(state) == {CHAIN_ROOT, CHAIN_NEXT}:
         root, n = state[CHAIN_ROOT], state[CHAIN_NEXT]
         if type(root) is not int or not 0 <= root < 2**63:

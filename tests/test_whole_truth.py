@@ -317,3 +317,33 @@ def test_accelerate_rebuilding_our_loader_resumes_exactly_in_a_new_process(
     ref, got = _lines(tmp_path / "ref.jsonl"), _lines(tmp_path / "got.jsonl")
     assert len(ref) == 24
     assert got == ref
+
+
+@pytest.mark.parametrize("at", [(0, 2), (1, 1)])
+def test_a_sampler_with_its_own_generator_resumes_every_later_epoch(at: tuple[int, int]) -> None:
+    # torch's SubsetRandomSampler draws from the generator it was given, not from the loader's
+    # seed: the state keeps that generator's state as the epoch began, so the fast-forward of
+    # the resumed epoch redraws the same order and the later epochs follow it.
+    def make() -> DataLoader:
+        g = torch.Generator().manual_seed(11)
+        sampler = torch.utils.data.SubsetRandomSampler(list(range(0, 24, 2)), generator=g)
+        return DataLoader(job.AugMap(), batch_size=3, sampler=sampler)
+
+    torch.manual_seed(0)
+    ref = make()
+    want = [[canonical(b) for b in ref] for _ in range(3)]
+    torch.manual_seed(0)
+    first = make()
+    got = [[canonical(b) for b in first] for _ in range(at[0])]
+    it = iter(first)
+    got.append([canonical(next(it)) for _ in range(at[1])])
+    sd = first.state_dict()
+    assert "sampler_generator" in sd
+    del it
+    resumed = make()
+    torch.rand(3)
+    resumed.load_state_dict(sd)
+    got[-1] += [canonical(b) for b in resumed]
+    while len(got) < 3:
+        got.append([canonical(b) for b in resumed])
+    assert got == want
