@@ -28,6 +28,7 @@ is the version of the state's schema, checked by the loader, not here.
 from __future__ import annotations
 
 import hashlib
+import reprlib
 import struct
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -590,6 +591,28 @@ def _describe_exc(exc: BaseException) -> str:
 
 def clip_text(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel = 4
+    r.maxdict = r.maxlist = r.maxtuple = r.maxset = 8
+    r.maxstring = r.maxother = r.maxlong = 80
+    return r
+
+
+_SHORT_REPR = _short_repr()
+
+
+def clip_repr(value: object, limit: int = 200) -> str:
+    """A repr of ``value`` for an error message: at most ``limit`` characters, and at most a few
+    levels and items of a container, so that a huge or deeply nested value from a damaged file
+    neither floods the message nor exhausts the recursion limit (``repr`` would do both)."""
+    try:
+        text = _SHORT_REPR.repr(value)
+    except Exception as exc:  # a user object whose __repr__ raises
+        text = f"<{_type_name(value)}: repr failed with {type(exc).__name__}>"
+    return clip_text(text, limit)
 
 
 def _fail(message: str) -> NoReturn:
