@@ -164,7 +164,63 @@ def _load(path: str) -> tuple[Any, str, bool]:
             f"torch.load(weights_only=True) reads ({type(exc).__name__}: "
             f"{_first_line(str(exc))})"
         ) from exc
+    _check_expansion(obj, os.path.getsize(path), path)
     return obj, "torch.save file", False
+
+
+# A pickle can refer to one list many times: [a, a] with a = [b, b], ... is 40 levels of
+# doubling in a few hundred bytes. The summary and --json walk values as a tree, so they would
+# visit it 2**40 times. An honest file refers to each value at least once in its own bytes, so
+# its tree has at most about as many values as the file has bytes; beyond this allowance on top,
+# inspect refuses rather than walk.
+EXPANSION_ALLOWANCE = 1 << 20
+
+
+def _check_expansion(obj: Any, size: int, path: str) -> None:
+    """Refuse an object from a file of ``size`` bytes whose values, counted as a tree (shared
+    containers once per place they appear), number more than ``size + EXPANSION_ALLOWANCE``.
+    Each container is walked once, so this costs what the file holds, not what it expands to.
+    """
+    limit = size + EXPANSION_ALLOWANCE
+    container = (dict, list, tuple)
+    if not isinstance(obj, container):
+        return
+    counted: dict[int, int] = {}  # id -> the values under a container walked, itself included
+    open_ids = {id(obj)}
+    frames: list[list[Any]] = [[_children(obj), id(obj), 1]]
+    while frames:
+        frame = frames[-1]
+        child = next(frame[0], _END)
+        if child is _END:
+            frames.pop()
+            open_ids.discard(frame[1])
+            counted[frame[1]] = frame[2]
+            if frames:
+                frames[-1][2] += frame[2]
+            continue
+        if not isinstance(child, container) or id(child) in open_ids:
+            frame[2] += 1  # a leaf, or a cycle (the summary's recursion guard reports those)
+        elif id(child) in counted:
+            frame[2] += counted[id(child)]
+        elif not any(issubclass(k, container) for k in set(map(type, _children(child)))):
+            counted[id(child)] = len(child) + 1  # only leaves: counted at C speed
+            frame[2] += len(child) + 1
+        else:
+            open_ids.add(id(child))
+            frames.append([_children(child), id(child), 1])
+            continue
+        if frame[2] > limit:
+            raise CliError(
+                f"{path} refers to its own values so often that they expand to more than "
+                f"{limit} values ({size} bytes of file); a crafted file? inspect does not walk it"
+            )
+
+
+_END = object()
+
+
+def _children(value: Any) -> Any:
+    return iter(value.values() if isinstance(value, dict) else value)
 
 
 def _load_dcp(path: str) -> Any:
@@ -199,6 +255,7 @@ def _load_dcp(path: str) -> Any:
                 f"reads, and inspect never unpickles anything else ({type(exc).__name__}: "
                 f"{_first_line(str(exc))})"
             ) from exc
+        _check_expansion(value, len(data), f"{path}: entry {key!r}")
         *parents, last = key.split(".")
         node = out
         for part in parents:

@@ -293,3 +293,26 @@ def test_cli_refuses_a_real_dcp_directory_with_an_entry_swapped_for_a_pickle(
     assert not marker.exists(), "inspect ran code from a checkpoint entry"
     assert len(err.splitlines()) == 1
     assert "entry 'loader.ranks' is not plain data that torch.load(weights_only=True) reads" in err
+
+
+def test_cli_refuses_a_torch_file_whose_shared_values_expand_exponentially(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 40 levels of [a, a]: 2**40 values as a tree, in about 1.6 kB of pickle. Walking it as
+    # a tree (the summary, --json) would never end.
+    shared: list[Any] = [[]]
+    for _ in range(40):
+        shared = [shared, shared]
+    state = loader_state()
+    state["workers"][0]["dataset_state"] = shared
+    path = tmp_path / "ckpt.pt"
+    torch.save({"loader": state}, path)
+    for extra in ([], ["--json"]):
+        assert main(["inspect", str(path), "--key", "loader", *extra]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "expand to more than" in err, err
+    # An honest file of the same shape, without the sharing, is summarised as before.
+    state["workers"][0]["dataset_state"] = [[i, [i]] for i in range(1000)]
+    torch.save({"loader": state}, path)
+    assert main(["inspect", str(path), "--key", "loader"]) == 0
+    assert "17 tasks consumed" in capsys.readouterr().out
