@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import base64
+import errno
 import io
 import json
 import os
 import pickle
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -136,7 +138,7 @@ def _load(path: str) -> tuple[Any, str, bool]:
     if os.path.isdir(path):
         return _load_dcp(path), "torch.distributed.checkpoint directory", False
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             # Sniff first: a torch.save training checkpoint can be gigabytes, and torch.load
             # reads it itself.
             is_dump = f.read(len(MAGIC)) == MAGIC
@@ -221,6 +223,20 @@ _END = object()
 
 def _children(value: Any) -> Any:
     return iter(value.values() if isinstance(value, dict) else value)
+
+
+def _open_regular(path: str) -> Any:
+    """Open a file for reading, refusing anything but a regular file: opening a FIFO would wait
+    forever for a writer, and a device (/dev/zero) never ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _load_dcp(path: str) -> Any:
@@ -365,7 +381,7 @@ def _read_dcp_metadata(path: str) -> tuple[dict[str, str], dict[str, Any]]:
     meta_path = os.path.join(path, DCP_METADATA)
     not_dcp = f"{path} is a directory but not a torch.distributed.checkpoint one"
     try:
-        with open(meta_path, "rb") as f:
+        with _open_regular(meta_path) as f:
             data = f.read(MAX_DCP_METADATA + 1)
     except OSError as exc:
         raise CliError(f"{not_dcp} (cannot read {DCP_METADATA}: {exc.strerror or exc})") from exc
@@ -422,7 +438,7 @@ def _read_dcp_entry(path: str, key: str, info: dict[Any, Any] | None) -> bytes:
             f"({clip_repr(info['transform_descriptors'])}), which inspect does not read"
         )
     try:
-        with open(os.path.join(path, name), "rb") as f:
+        with _open_regular(os.path.join(path, name)) as f:
             size = os.fstat(f.fileno()).st_size
             if offset + length > size:
                 raise CliError(

@@ -316,3 +316,18 @@ def test_cli_refuses_a_torch_file_whose_shared_values_expand_exponentially(
     torch.save({"loader": state}, path)
     assert main(["inspect", str(path), "--key", "loader"]) == 0
     assert "17 tasks consumed" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_fifo_instead_of_waiting_for_a_writer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / ".metadata")
+    for path in (tmp_path / "fifo", ckpt):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "not a regular file" in err, err
