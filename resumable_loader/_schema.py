@@ -34,6 +34,7 @@ is json-able) and msgpack (``dump_state``). Keys:
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,8 +377,7 @@ def _check_nesting(sd: dict[Any, Any]) -> None:
         if len(frames) >= MAX_DEPTH:
             raise _fail(_field(keys), f"nested deeper than {MAX_DEPTH} levels", _PLAIN_FIX)
         open_ids.add(ident)
-        pairs = iter(value.items()) if isinstance(value, dict) else enumerate(value)
-        frames.append([pairs, ident, 0])
+        frames.append([_pairs(value), ident, 0])
         keys.append(None)
 
 
@@ -388,7 +388,17 @@ _PLAIN_FIX = (
 
 
 def _item_kinds(value: Any) -> set[type]:
-    return set(map(type, value.values() if isinstance(value, dict) else value))
+    if isinstance(value, dict):
+        return set(map(type, value.values())) | set(map(type, value))
+    return set(map(type, value))
+
+
+def _pairs(value: Any) -> Any:
+    """(key, value) pairs of a container; a dict's tuple keys count as values too (a pickle can
+    nest them as deeply as anything else)."""
+    if isinstance(value, dict):
+        return itertools.chain(value.items(), ((k, k) for k in value if isinstance(k, tuple)))
+    return enumerate(value)
 
 
 def _field(keys: list[Any]) -> str:

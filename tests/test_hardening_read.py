@@ -91,6 +91,17 @@ def test_nesting_counts_shared_values_at_every_place_they_appear() -> None:
         dump_state(state)
 
 
+def test_a_deeply_nested_dict_key_is_a_checkpoint_error() -> None:
+    key: tuple[Any, ...] = ()
+    for _ in range(3000):
+        key = (key,)
+    loader = _loader()
+    state = loader.state_dict()
+    state["stats"] = {key: 1}
+    with pytest.raises(CheckpointError, match=r"state: stats\[.*nested deeper than"):
+        loader.load_state_dict(_through_torch_file(state))
+
+
 def test_a_state_that_holds_itself_is_a_checkpoint_error() -> None:
     loader = _loader()
     state = loader.state_dict()
