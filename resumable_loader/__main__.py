@@ -245,16 +245,20 @@ def _load_dcp(path: str) -> Any:
     ``torch.load(weights_only=False)``, so a planted file would run its code. Here the metadata
     goes through a reader that builds only inert records (``_DcpUnpickler``), and each wanted
     entry's bytes are read at the offset the metadata gives and loaded with
-    ``torch.load(weights_only=True)``. Only the loader's keys are read, not the model's tensors.
+    ``torch.load(weights_only=True)``. Only the loader's entries are read: those beside a
+    ``*.format`` entry that names a loader state; never the model's tensors.
     """
     entries, storage = _read_dcp_metadata(path)
     keys = list(entries)
-    roots = [k[: -len(".format")] for k in keys if k.endswith(".format")]
+    roots = []
+    for key in keys:
+        if key.endswith(".format") and entries[key] == "BytesStorageMetadata":
+            fmt = _read_dcp_value(path, key, storage.get(key))
+            if type(fmt) is str and fmt in (STATE_FORMAT, GLOBAL_FORMAT):
+                roots.append(key[: -len(".format")])
     wanted = [k for k in keys if any(k.startswith(r + ".") for r in roots)]
     if not wanted:
         raise CliError(f"no loader state in the checkpoint {path} (keys: {_list_keys(keys)})")
-    import torch
-
     out: dict[str, Any] = {}
     for key in wanted:
         if entries[key] != "BytesStorageMetadata":
@@ -262,16 +266,7 @@ def _load_dcp(path: str) -> Any:
                 f"{path}: entry {key!r} is stored as a tensor ({entries[key]}); a loader state "
                 "never is -- the checkpoint was not written by dcp.save of a resumable_loader"
             )
-        data = _read_dcp_entry(path, key, storage.get(key))
-        try:
-            value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        except Exception as exc:
-            raise CliError(
-                f"{path}: entry {key!r} is not plain data that torch.load(weights_only=True) "
-                f"reads, and inspect never unpickles anything else ({type(exc).__name__}: "
-                f"{_first_line(str(exc))})"
-            ) from exc
-        _check_expansion(value, len(data), f"{path}: entry {key!r}")
+        value = _read_dcp_value(path, key, storage.get(key))
         *parents, last = key.split(".")
         node = out
         for part in parents:
@@ -281,6 +276,23 @@ def _load_dcp(path: str) -> Any:
             node = child
         node[last] = value
     return out
+
+
+def _read_dcp_value(path: str, key: str, info: dict[Any, Any] | None) -> Any:
+    """A non-tensor entry's value, loaded with ``torch.load(weights_only=True)``."""
+    import torch
+
+    data = _read_dcp_entry(path, key, info)
+    try:
+        value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise CliError(
+            f"{path}: entry {key!r} is not plain data that torch.load(weights_only=True) "
+            f"reads, and inspect never unpickles anything else ({type(exc).__name__}: "
+            f"{_first_line(str(exc))})"
+        ) from exc
+    _check_expansion(value, len(data), f"{path}: entry {key!r}")
+    return value
 
 
 # A DCP directory's metadata file, and the most inspect reads of it: a job's metadata lists each
