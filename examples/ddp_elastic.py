@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from resumable_loader import DataLoader
+from resumable_loader import DataLoader, save_checkpoint
 
 N = 96  # samples; 96 = 2 * 3 * 16, so 2 and 3 ranks both cut it evenly
 EPOCHS = 2
@@ -106,19 +106,24 @@ def main() -> None:
             if progress.step == args.crash_at and rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # a preemption, mid-epoch
             if progress.step % EVERY == 0:
+                # The ledger first, atomically: a checkpoint then always has its ledger entry
+                # (a kill between the two leaves an entry past the checkpoint, which a resume
+                # removes above). DCP writes .metadata last, renamed into place, so a step
+                # directory with one is complete: latest() resumes only those.
+                _write_ledger(ledger, progress.step, world, rank, seen)
                 dcp.save(state, checkpoint_id=os.path.join(args.ckpt, f"step-{progress.step:05d}"))
-                with open(
-                    os.path.join(ledger, f"{progress.step:05d}-{world}-{rank}.json"), "w"
-                ) as f:
-                    json.dump(seen, f)
                 seen = []
-    with open(os.path.join(ledger, f"{progress.step + 1:05d}-{world}-{rank}.json"), "w") as f:
-        json.dump(seen, f)  # the tail after the last checkpoint
+    _write_ledger(ledger, progress.step + 1, world, rank, seen)  # the tail after the last one
     loader.close()
     dist.barrier()
     if rank == 0:
         report(ledger)
     dist.destroy_process_group()
+
+
+def _write_ledger(ledger: str, step: int, world: int, rank: int, seen: list) -> None:
+    path = os.path.join(ledger, f"{step:05d}-{world}-{rank}.json")
+    save_checkpoint(json.dumps(seen).encode(), path)  # never half a ledger file
 
 
 def report(ledger: str) -> None:

@@ -22,7 +22,7 @@ import time
 import torch
 from torch.utils.data import Dataset
 
-from resumable_loader import DataLoader
+from resumable_loader import DataLoader, save_checkpoint
 
 EPOCHS = 2
 N = 96
@@ -69,10 +69,9 @@ def train(workdir: str) -> None:
                     break
             else:
                 epoch += 1
-    # Saved after leaving the loop: the loader still knows where the epoch stood.
-    ckpt = {"loader": loader.state_dict(), "step": step}
-    torch.save(ckpt, ckpt_path + ".tmp")
-    os.replace(ckpt_path + ".tmp", ckpt_path)
+    # Saved after leaving the loop: the loader still knows where the epoch stood. Atomic: if
+    # SIGKILL follows the SIGTERM mid-save, the previous checkpoint is still there.
+    save_checkpoint({"loader": loader.state_dict(), "step": step}, ckpt_path)
     loader.close()
     sys.exit(0 if not preempted.is_set() else 143)
 

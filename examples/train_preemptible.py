@@ -8,7 +8,8 @@ What it does:
      data workers and one worker segfaulting mid-run (the loader replaces it);
   2. trains the same model again, but the training process is SIGKILLed at random steps and
      restarted each time from its last checkpoint -- model, optimizer, RNG and *loader* state
-     saved together with torch.save and loaded with weights_only=True;
+     saved together with save_checkpoint (atomic: a kill mid-save keeps the previous one) and
+     loaded with torch.load(weights_only=True);
   3. checks that both runs saw exactly the same batches and ended with bit-identical weights.
 """
 
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from resumable_loader import DataLoader
+from resumable_loader import DataLoader, save_checkpoint
 
 EPOCHS = 3
 
@@ -89,7 +90,7 @@ def train(workdir: str, n: int, die_at: int | None) -> None:
                 log.write(f"{step} {hashlib.sha1(x.numpy().tobytes()).hexdigest()}\n")
                 log.flush()
                 if step % 5 == 0:
-                    # Write then rename, so a kill never leaves half a checkpoint.
+                    # Atomic: a kill during the write leaves the previous checkpoint.
                     ckpt = {
                         "model": model.state_dict(),
                         "opt": opt.state_dict(),
@@ -97,13 +98,12 @@ def train(workdir: str, n: int, die_at: int | None) -> None:
                         "loader": loader.state_dict(),
                         "step": step,
                     }
-                    torch.save(ckpt, ckpt_path + ".tmp")
-                    os.replace(ckpt_path + ".tmp", ckpt_path)
+                    save_checkpoint(ckpt, ckpt_path)
                     log.write(f"ckpt {step}\n")
                     log.flush()
                 if die_at is not None and step == die_at:
                     os.kill(os.getpid(), signal.SIGKILL)  # preemption: no cleanup, no goodbye
-    torch.save(model.state_dict(), os.path.join(workdir, "final.pt"))
+    save_checkpoint(model.state_dict(), os.path.join(workdir, "final.pt"))
     stats = loader.statistics()
     print(f"  finished at step {step}; worker respawns: {dict(stats.respawns_by_cause)}")
     loader.close()

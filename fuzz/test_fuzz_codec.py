@@ -9,7 +9,9 @@ Properties:
   splice of two encodings) is refused;
 * any plain-data dict round-trips through dump_state / load_state exactly;
 * the ``inspect`` summary and its JSON rendering never fail on a decoded dict, whatever the
-  fields hold.
+  fields hold;
+* dump_state and load_state agree on the memory budget for containers: what one refuses for
+  its lists and dicts, so does the other (checked with the allowance shrunk to a few kB).
 
 Example counts come from the profile in fuzz/conftest.py (HYPOTHESIS_PROFILE=ci|long).
 """
@@ -20,6 +22,7 @@ import json
 from typing import Any
 
 import msgpack
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -247,3 +250,34 @@ def test_inspect_never_fails_on_a_decoded_state(state: dict[Any, Any]) -> None:
     text = format_summary(decoded, "fuzz")
     assert text.startswith("resumable_loader state: fuzz")
     json.dumps(_jsonable(decoded))
+
+
+# --- the memory budget: dump_state and load_state agree on it -----------------------------------
+
+DENSE = st.recursive(
+    st.none() | st.integers(0, 3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=1), inner, max_size=2)
+    ),
+    max_leaves=30,
+)
+
+
+@given(st.dictionaries(st.text(max_size=2), DENSE, max_size=4), st.integers(0, 3000))
+def test_dump_and_load_agree_on_the_container_budget(state: dict[Any, Any], allowance: int) -> None:
+    """With the allowance shrunk to a few kB, small states cross the budget: whatever dump_state
+    writes, load_state reads, and a payload load_state refuses for its containers is one that
+    dump_state refuses to write (both price containers by the same model)."""
+    from unittest import mock
+
+    from resumable_loader import _codec
+
+    with mock.patch.object(_codec, "CONTAINER_ALLOWANCE", allowance):
+        try:
+            data = dump_state(state)
+        except CheckpointError as exc:
+            assert "too many small lists and dicts" in str(exc)
+            with pytest.raises(CheckpointError, match="lists and dicts take more"):
+                load_state(_frame(msgpack.packb(state, use_bin_type=True)))
+            return
+        assert same_state(load_state(data), state)

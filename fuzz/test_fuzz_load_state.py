@@ -15,6 +15,9 @@ Properties:
 * only ``CheckpointError`` escapes ``load_state_dict``;
 * a refused state changes nothing: ``state_dict()`` is what it was, and the loader (and a
   running iterator) goes on to yield exactly the batches it would have yielded;
+* a value nested deeper than the codec's limit (counted from the state, exactly), or one that
+  makes the state hold itself, is refused with a CheckpointError naming the field -- never a
+  RecursionError -- wherever it sits (``test_deep_and_self_holding_values_...``);
 * an accepted state is one the loader can run from: ``state_dict()`` returns it, and the next
   two epochs iterate without an exception (unless the mutation touched the user's own sampler
   or dataset state, whose validity only the user's ``load_state_dict`` knows), yielding no
@@ -468,3 +471,59 @@ def test_damaged_states_are_refused_cleanly_or_resumed(data: st.DataObject) -> N
             f"an accepted state gave an epoch of {[len(e) for e in got]} batches; "
             f"an epoch has at most {longest}"
         )
+
+
+# ---- values no state should hold: too deep, holding itself ---------------------------------------
+def _nested(levels: int, kind: str) -> Any:
+    root: Any = [] if kind == "list" else {}
+    inner = root
+    for _ in range(levels - 1):
+        child: Any = [] if kind == "list" else {}
+        if kind == "list":
+            inner.append(child)
+        else:
+            inner["x"] = child
+        inner = child
+    return root
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_deep_and_self_holding_values_are_refused_naming_the_field(data: st.DataObject) -> None:
+    """``torch.load(weights_only=True)`` builds these from a small file. The limit is exact:
+    the codec's MAX_DEPTH, counted from the state itself; a value shared by several fields
+    counts where it sits deepest; a state that holds itself is refused wherever it does."""
+    from resumable_loader._codec import MAX_DEPTH
+
+    kind = data.draw(_weighted_kinds(), label="kind")
+    states = real_states(kind)
+    state = copy.deepcopy(states[data.draw(st.integers(0, len(states) - 1), label="state")])
+    where = data.draw(st.sampled_from([p for p in paths(state) if p]), label="path")
+    poison = data.draw(st.sampled_from(["deep", "deep", "cycle", "ancestor"]), label="poison")
+    if poison == "deep":
+        levels = data.draw(
+            st.integers(MAX_DEPTH - len(where) - 1, MAX_DEPTH - len(where) + 1)
+            | st.integers(1, 3000),
+            label="levels",
+        )
+        value = _nested(max(1, levels), data.draw(st.sampled_from(["list", "dict"])))
+        too_deep = len(where) + max(1, levels) - 1 >= MAX_DEPTH
+    else:
+        # The root, or the container holding the value: a cycle either way.
+        value = state if poison == "cycle" else get(state, where[:-1])
+        too_deep = True
+    put(state, where, value)
+    loader = kind.make(0)
+    with loader:
+        before = loader.state_dict()
+        try:
+            loader.load_state_dict(state)
+        except CheckpointError as exc:
+            message = str(exc)
+            nesting = "nested deeper than" in message or "holds itself" in message
+            assert nesting == too_deep, message
+            if too_deep and isinstance(where[0], str):
+                assert where[0] in message, message
+            assert loader.state_dict() == before, "a refused state changed state_dict()"
+            return
+        assert not too_deep, f"accepted a state with a {poison} value at {list(where)}"

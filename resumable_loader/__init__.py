@@ -30,7 +30,8 @@ module, in the order a batch meets them.
  lifecycle (_lifecycle): the iterator's states (open → finished / abandoned / broken / closed)
    and the Cursor: the position, read from the reorder buffer, dispatcher and task source,
    frozen when the iterator ends, kept by the loader until the next iter().
- state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes).
+ state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes;
+   _checkpoint: save_checkpoint, an atomic write of a checkpoint file).
  messages (_protocol): every message between the main process and a worker, typed, and the
    one Status enum of results and deliveries.
  ranks (_distributed): torch's DistributedSampler cut into shards and re-cut for another world
@@ -48,6 +49,7 @@ from ._compat import check_torch as _check_torch
 # ImportError instead of an AttributeError deep in a worker.
 _check_torch()
 
+from ._checkpoint import save_checkpoint  # noqa: E402
 from ._codec import dump_state, load_state  # noqa: E402
 from ._distributed import merge_rank_states  # noqa: E402
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
@@ -69,6 +71,7 @@ __all__ = [
     "dump_state",
     "load_state",
     "merge_rank_states",
+    "save_checkpoint",
 ]
 
 

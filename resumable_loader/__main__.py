@@ -2,8 +2,10 @@
 
 ``inspect`` prints a readable summary of a saved loader state: where the loader stands (epoch,
 consumed tasks), what it will re-send (outstanding tasks), and what each worker carries. PATH is a
-file written from ``dump_state`` (recognised by its magic header) or by ``torch.save`` (loaded with
-``weights_only=True``, so inspecting an untrusted file runs no code from it).
+file written from ``dump_state`` (recognised by its magic header), by ``torch.save`` (loaded with
+``weights_only=True``), or a ``torch.distributed.checkpoint`` directory (its metadata read into
+inert records, the loader's entries with ``weights_only=True``): inspecting an untrusted file or
+directory runs no code from it, and nothing it reads is unpickled by plain ``pickle``.
 
 Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read.
 """
@@ -12,13 +14,17 @@ from __future__ import annotations
 
 import argparse
 import base64
+import errno
+import io
 import json
 import os
+import pickle
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._codec import MAGIC, clip_text, encoded_size, load_state
+from resumable_loader._codec import MAGIC, clip_repr, clip_text, encoded_size, load_state
 from resumable_loader._distributed import GLOBAL_FORMAT, is_global, split_global
 from resumable_loader._errors import CheckpointError
 from resumable_loader._schema import FORMAT, KNOWN_KEYS
@@ -132,7 +138,7 @@ def _load(path: str) -> tuple[Any, str, bool]:
     if os.path.isdir(path):
         return _load_dcp(path), "torch.distributed.checkpoint directory", False
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             # Sniff first: a torch.save training checkpoint can be gigabytes, and torch.load
             # reads it itself.
             is_dump = f.read(len(MAGIC)) == MAGIC
@@ -160,31 +166,301 @@ def _load(path: str) -> tuple[Any, str, bool]:
             f"torch.load(weights_only=True) reads ({type(exc).__name__}: "
             f"{_first_line(str(exc))})"
         ) from exc
+    _check_expansion(obj, os.path.getsize(path), path)
     return obj, "torch.save file", False
 
 
-def _load_dcp(path: str) -> Any:
-    """The loader states of a torch.distributed.checkpoint directory, read without a process
-    group; only their keys are read, not the model's tensors."""
-    import warnings
+# A pickle can refer to one list many times: [a, a] with a = [b, b], ... is 40 levels of
+# doubling in a few hundred bytes. The summary and --json walk values as a tree, so they would
+# visit it 2**40 times. An honest file refers to each value at least once in its own bytes, so
+# its tree has at most about as many values as the file has bytes; beyond this allowance on top,
+# inspect refuses rather than walk.
+EXPANSION_ALLOWANCE = 1 << 20
 
+
+def _check_expansion(obj: Any, size: int, path: str) -> None:
+    """Refuse an object from a file of ``size`` bytes whose values, counted as a tree (shared
+    containers once per place they appear), number more than ``size + EXPANSION_ALLOWANCE``.
+    Each container is walked once, so this costs what the file holds, not what it expands to.
+    """
+    limit = size + EXPANSION_ALLOWANCE
+    container = (dict, list, tuple)
+    if not isinstance(obj, container):
+        return
+    counted: dict[int, int] = {}  # id -> the values under a container walked, itself included
+    open_ids = {id(obj)}
+    frames: list[list[Any]] = [[_children(obj), id(obj), 1]]
+    while frames:
+        frame = frames[-1]
+        child = next(frame[0], _END)
+        if child is _END:
+            frames.pop()
+            open_ids.discard(frame[1])
+            counted[frame[1]] = frame[2]
+            if frames:
+                frames[-1][2] += frame[2]
+            continue
+        if not isinstance(child, container) or id(child) in open_ids:
+            frame[2] += 1  # a leaf, or a cycle (the summary's recursion guard reports those)
+        elif id(child) in counted:
+            frame[2] += counted[id(child)]
+        elif not any(issubclass(k, container) for k in set(map(type, _children(child)))):
+            counted[id(child)] = len(child) + 1  # only leaves: counted at C speed
+            frame[2] += len(child) + 1
+        else:
+            open_ids.add(id(child))
+            frames.append([_children(child), id(child), 1])
+            continue
+        if frame[2] > limit:
+            raise CliError(
+                f"{path} refers to its own values so often that they expand to more than "
+                f"{limit} values ({size} bytes of file); a crafted file? inspect does not walk it"
+            )
+
+
+_END = object()
+
+
+def _children(value: Any) -> Any:
+    return iter(value.values() if isinstance(value, dict) else value)
+
+
+def _open_regular(path: str) -> Any:
+    """Open a file for reading, refusing anything but a regular file: opening a FIFO would wait
+    forever for a writer, and a device (/dev/zero) never ends."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
-        keys = list(FileSystemReader(path).read_metadata().state_dict_metadata)
-    except Exception as exc:
-        raise CliError(
-            f"{path} is a directory but not a torch.distributed.checkpoint one "
-            f"({type(exc).__name__}: {_first_line(str(exc))})"
-        ) from exc
-    roots = [k[: -len(".format")] for k in keys if k.endswith(".format")]
-    wanted = {k for k in keys if any(k.startswith(r + ".") for r in roots)}
+
+def _load_dcp(path: str) -> Any:
+    """The loader states of a torch.distributed.checkpoint directory, read without torch's
+    reader: it unpickles ``.metadata`` with plain ``pickle`` and non-tensor entries with
+    ``torch.load(weights_only=False)``, so a planted file would run its code. Here the metadata
+    goes through a reader that builds only inert records (``_DcpUnpickler``), and each wanted
+    entry's bytes are read at the offset the metadata gives and loaded with
+    ``torch.load(weights_only=True)``. Only the loader's entries are read: those beside a
+    ``*.format`` entry that names a loader state; never the model's tensors.
+    """
+    entries, storage = _read_dcp_metadata(path)
+    keys = list(entries)
+    roots = []
+    for key in keys:
+        if key.endswith(".format") and entries[key] == "BytesStorageMetadata":
+            fmt = _read_dcp_value(path, key, storage.get(key))
+            if type(fmt) is str and fmt in (STATE_FORMAT, GLOBAL_FORMAT):
+                roots.append(key[: -len(".format")])
+    wanted = [k for k in keys if any(k.startswith(r + ".") for r in roots)]
     if not wanted:
         raise CliError(f"no loader state in the checkpoint {path} (keys: {_list_keys(keys)})")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no process group: loading in a single process"
-        return _load_state_dict_from_keys(wanted, checkpoint_id=path)
+    out: dict[str, Any] = {}
+    for key in wanted:
+        if entries[key] != "BytesStorageMetadata":
+            raise CliError(
+                f"{path}: entry {key!r} is stored as a tensor ({entries[key]}); a loader state "
+                "never is -- the checkpoint was not written by dcp.save of a resumable_loader"
+            )
+        value = _read_dcp_value(path, key, storage.get(key))
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CliError(f"{path}: entry {key!r} lies inside another entry's value")
+            node = child
+        node[last] = value
+    return out
+
+
+def _read_dcp_value(path: str, key: str, info: dict[Any, Any] | None) -> Any:
+    """A non-tensor entry's value, loaded with ``torch.load(weights_only=True)``."""
+    import torch
+
+    data = _read_dcp_entry(path, key, info)
+    try:
+        value = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as exc:
+        raise CliError(
+            f"{path}: entry {key!r} is not plain data that torch.load(weights_only=True) "
+            f"reads, and inspect never unpickles anything else ({type(exc).__name__}: "
+            f"{_first_line(str(exc))})"
+        ) from exc
+    _check_expansion(value, len(data), f"{path}: entry {key!r}")
+    return value
+
+
+# A DCP directory's metadata file, and the most inspect reads of it: a job's metadata lists each
+# tensor chunk, a few hundred bytes apiece; a billion-parameter model's is a few MB.
+DCP_METADATA = ".metadata"
+MAX_DCP_METADATA = 256 << 20
+
+# What a .metadata file written by torch 2.13's dcp.save refers to. Each is read as an inert
+# record (a _DcpRecord subclass of the same name): pickle hands it its arguments and state, and
+# nothing of the class it stands for runs. Anything else is refused, unread.
+_DCP_CLASSES = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", "Metadata"),
+        ("torch.distributed.checkpoint.metadata", "BytesStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "TensorProperties"),
+        ("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata"),
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),
+        ("torch", "Size"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+)
+
+
+class _DcpRecord:
+    """Stands in for one of the classes in ``_DCP_CLASSES``: keeps what pickle gives it."""
+
+    __slots__ = ("args", "state")
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _DcpRecord:
+        self = super().__new__(cls)
+        self.args = args
+        self.state = None
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def fields(self) -> dict[Any, Any]:
+        """The instance's attributes as pickled: a dict, or a (dict, slots dict) pair."""
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2:
+            merged: dict[Any, Any] = {}
+            for part in state:
+                if isinstance(part, dict):
+                    merged.update(part)
+            return merged
+        return state if isinstance(state, dict) else {}
+
+
+class _DcpUnpickler(pickle.Unpickler):
+    """Reads a DCP ``.metadata`` file into ``_DcpRecord``s and plain containers.
+
+    ``find_class`` is the one way a pickle reaches code; it returns a record class for the
+    names in ``_DCP_CLASSES`` (and for torch's dtypes), and refuses every other name, so the
+    only code a file can call is ``_DcpRecord``'s own. Persistent ids are refused by the base
+    class (no ``persistent_load``).
+    """
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self.records: dict[tuple[str, str], type[_DcpRecord]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES or (module == "torch" and _is_dtype_name(name)):
+            record = self.records.get((module, name))
+            if record is None:
+                record = type(name, (_DcpRecord,), {"__slots__": ()})
+                self.records[(module, name)] = record
+            return record if module != "torch" or name == "Size" else record()
+        raise pickle.UnpicklingError(
+            f"it refers to {clip_text(module, 80)}.{clip_text(name, 80)}, which a "
+            "torch.distributed.checkpoint metadata file never holds (a crafted file may use "
+            "it to run code); inspect reads none of it"
+        )
+
+
+def _is_dtype_name(name: str) -> bool:
+    import torch
+
+    # The module's own dict, not getattr: torch's module __getattr__ imports submodules.
+    return isinstance(vars(torch).get(name), torch.dtype)
+
+
+def _read_dcp_metadata(path: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """A DCP directory's entries (key -> the name of its metadata class) and the storage
+    records of its non-tensor entries (key -> the fields of its _StorageInfo)."""
+    meta_path = os.path.join(path, DCP_METADATA)
+    not_dcp = f"{path} is a directory but not a torch.distributed.checkpoint one"
+    try:
+        with _open_regular(meta_path) as f:
+            data = f.read(MAX_DCP_METADATA + 1)
+    except OSError as exc:
+        raise CliError(f"{not_dcp} (cannot read {DCP_METADATA}: {exc.strerror or exc})") from exc
+    if len(data) > MAX_DCP_METADATA:
+        raise CliError(f"{meta_path} is larger than {MAX_DCP_METADATA >> 20} MiB; not read")
+    try:
+        md = _DcpUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # UnpicklingError, EOFError, ValueError, TypeError, ...
+        raise CliError(
+            f"{not_dcp}: its {DCP_METADATA} cannot be read safely: {_first_line(str(exc))}"
+        ) from exc
+    fields = md.fields() if type(md).__name__ == "Metadata" and isinstance(md, _DcpRecord) else {}
+    entries = fields.get("state_dict_metadata")
+    storage_data = fields.get("storage_data")
+    if not isinstance(entries, dict) or not isinstance(storage_data, dict):
+        raise CliError(f"{not_dcp}: its {DCP_METADATA} does not describe a checkpoint's entries")
+    kinds: dict[str, str] = {}
+    for key, entry in entries.items():
+        if type(key) is not str or not isinstance(entry, _DcpRecord):
+            raise CliError(f"{not_dcp}: its {DCP_METADATA} lists an entry {clip_repr(key)}")
+        kinds[key] = type(entry).__name__
+    storage: dict[str, Any] = {}
+    for index, info in storage_data.items():
+        if not isinstance(index, _DcpRecord) or not isinstance(info, _DcpRecord):
+            raise CliError(f"{not_dcp}: its {DCP_METADATA} has a malformed storage entry")
+        fqn = index.fields().get("fqn")
+        if type(fqn) is str and kinds.get(fqn) == "BytesStorageMetadata":
+            storage[fqn] = info.fields()
+    return kinds, storage
+
+
+def _read_dcp_entry(path: str, key: str, info: dict[Any, Any] | None) -> bytes:
+    """The bytes of a non-tensor entry, from the file and at the offset its record gives."""
+    if info is None:
+        raise CliError(f"{path}: entry {key!r} has no storage record in {DCP_METADATA}")
+    name, offset, length = info.get("relative_path"), info.get("offset"), info.get("length")
+    if (
+        type(name) is not str
+        or name in ("", ".", "..")
+        or os.path.basename(name) != name
+        or type(offset) is not int
+        or type(length) is not int
+        or offset < 0
+        or length < 0
+    ):
+        raise CliError(
+            f"{path}: entry {key!r} has a malformed storage record (file {clip_repr(name)}, "
+            f"offset {clip_repr(offset)}, length {clip_repr(length)}); a file of the "
+            "checkpoint directory itself is expected"
+        )
+    if info.get("transform_descriptors"):
+        raise CliError(
+            f"{path}: entry {key!r} is stored through stream transforms "
+            f"({clip_repr(info['transform_descriptors'])}), which inspect does not read"
+        )
+    try:
+        with _open_regular(os.path.join(path, name)) as f:
+            size = os.fstat(f.fileno()).st_size
+            if offset + length > size:
+                raise CliError(
+                    f"{path}: entry {key!r} lies at bytes {offset}..{offset + length} of {name}, "
+                    f"which has only {size}: the checkpoint is truncated"
+                )
+            f.seek(offset)
+            return f.read(length)
+    except OSError as exc:
+        raise CliError(f"{path}: cannot read {name}: {exc.strerror or exc}") from exc
 
 
 def _looks_like_state(obj: dict[Any, Any]) -> bool:

@@ -28,7 +28,9 @@ is the version of the state's schema, checked by the loader, not here.
 from __future__ import annotations
 
 import hashlib
+import reprlib
 import struct
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import msgpack
@@ -69,11 +71,26 @@ INT_MAX = 2**64 - 1
 # json.dumps and pickle (torch.save) hit on deeper data, and it stops a reference cycle early.
 MAX_DEPTH = 256
 
+# What decoding may build, per byte of payload. A msgpack container costs one byte ("[]" is
+# 0x90) but a Python list costs 56 bytes and a dict at least 64, so a payload of nothing but empty
+# containers would make a 4 MB file cost a gigabyte. Containers are charged by the model below
+# (CPython 3.11's sizes, rounded up: a list of n items is 56 + 8n bytes, a non-empty dict about
+# 224 + 48n); a payload is refused once its containers cost more than CONTAINER_BYTES_PER_BYTE
+# times its length plus CONTAINER_ALLOWANCE. 32 per byte still admits a long list of [a, b] pairs
+# (27 per byte) and any state of our own; the allowance lets a small state hold thousands of empty
+# containers. Scalars need no charge: an int or a str costs at most ~28 bytes per byte that
+# encodes it, so a decoded state stays within ~60 bytes per payload byte plus the allowance.
+CONTAINER_BYTES_PER_BYTE = 32
+CONTAINER_ALLOWANCE = 16 << 20
+
 _SCALARS = (type(None), bool, float, bytes)
 
-# A path node: (parent node, key or index), or None for the root. Kept as a linked list so that
-# walking a large state allocates one small tuple per container, not one path string per value.
-_Where = tuple[Any, Any] | None
+# The path of a value: the keys and indices from the root down to it, after the root's own
+# placeholder (the walk's stack of keys, copied only when a value is refused).
+_Where = list[Any]
+
+# Ends a frame of the walk (next(iterator, _DONE)).
+_DONE = object()
 
 
 class _NotPlain(Exception):
@@ -81,7 +98,7 @@ class _NotPlain(Exception):
 
     def __init__(self, where: _Where, problem: str, hint: str) -> None:
         super().__init__(problem)
-        self.where = where
+        self.where = where[1:]  # the walk's key stack starts with the root's (no) key
         self.problem = problem
         self.hint = hint
 
@@ -113,13 +130,21 @@ def dump_state(sd: dict[Any, Any]) -> bytes:
             f"dump_state() expects the dict returned by state_dict(), got {_type_name(sd)}"
         )
     try:
-        _walk(sd, decoded=False)
+        cost = _walk(sd, decoded=False)
     except _NotPlain as exc:
         raise CheckpointError(f"{exc.describe('state')}; {exc.hint}") from None
     try:
         payload = msgpack.packb(sd, use_bin_type=True, datetime=False)
     except Exception as exc:  # the walk admits only what msgpack packs; kept for the contract
         raise CheckpointError(f"could not encode the state as msgpack: {exc}") from exc
+    if cost > container_budget(len(payload)):
+        # load_state would refuse it: better no checkpoint now than one that never loads.
+        raise CheckpointError(
+            f"the state holds too many small lists and dicts: "
+            f"{_over_budget(_mib(cost), len(payload))}; "
+            "load_state() refuses such a file -- store long runs of tiny or empty containers "
+            "as one flat list or as bytes in your state_dict()"
+        )
     return _frame(payload)
 
 
@@ -225,13 +250,15 @@ def _read_header(buf: bytes) -> tuple[int, int, int, bytes]:
 
 def _decode_payload(payload: bytes) -> object:
     limit = len(payload)  # no string, array or map can be longer than the bytes that hold it
+    budget = _Budget(limit)
     try:
         obj = msgpack.unpackb(
             payload,
             raw=False,
             use_list=True,
+            list_hook=budget.charge_list,
             strict_map_key=False,  # int keys are allowed; _dict_from_pairs checks every key
-            object_pairs_hook=_dict_from_pairs,
+            object_pairs_hook=budget.dict_from_pairs,
             ext_hook=_refuse_ext,
             timestamp=0,  # timestamps bypass ext_hook; they decode to Timestamp, refused below
             max_str_len=limit,
@@ -249,13 +276,42 @@ def _decode_payload(payload: bytes) -> object:
             "than dump_state -- use a file that dump_state wrote"
         ) from exc
     try:
-        _walk(obj, decoded=True)
+        if not _decoded_is_plain(obj):
+            _walk(obj, decoded=True)  # finds the fault and its path
     except _NotPlain as exc:
         raise CheckpointError(
             f"the payload holds data dump_state never writes, at {exc.describe('state')}; use a "
             "file that dump_state wrote"
         ) from None
     return obj
+
+
+class _Budget:
+    """Charges each container as msgpack builds it, and stops the decoding as soon as the
+    payload's containers cost more than its length allows (see CONTAINER_BYTES_PER_BYTE): the
+    memory spent before a refusal is bounded too."""
+
+    def __init__(self, payload_size: int) -> None:
+        self.size = payload_size
+        self.left = container_budget(payload_size)
+        self.cost = 0
+
+    def charge_list(self, items: list[Any]) -> list[Any]:
+        self._charge(list_cost(len(items)))
+        return items
+
+    def dict_from_pairs(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        self._charge(dict_cost(len(pairs)))
+        return _dict_from_pairs(pairs)
+
+    def _charge(self, cost: int) -> None:
+        self.cost += cost
+        self.left -= cost
+        if self.left < 0:
+            _fail(
+                f"refused while decoding: {_over_budget('more', self.size)}; dump_state never "
+                "writes such a payload -- use a file that dump_state wrote"
+            )
 
 
 def _dict_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -286,39 +342,114 @@ def _refuse_ext(code: int, data: bytes) -> NoReturn:
     )
 
 
-def _walk(root: object, *, decoded: bool) -> None:
-    """Raise _NotPlain at the first value under ``root`` that is not plain data.
+def _walk(root: object, *, decoded: bool) -> int:
+    """Raise _NotPlain at the first value under ``root`` that is not plain data; return what its
+    containers cost once decoded (``list_cost``, ``dict_cost``).
 
-    Iterative, so that depth is limited by ``MAX_DEPTH`` rather than by Python's recursion limit.
-    ``decoded`` is true for the output of msgpack, which needs no range or encoding checks.
+    Iterative, so that depth is limited by ``MAX_DEPTH`` rather than by Python's recursion limit,
+    and lazy: it holds one iterator per open container, so its own memory grows with the depth,
+    not with the number of values. ``decoded`` is true for the output of msgpack, which needs no
+    range or encoding checks.
     """
-    stack: list[tuple[object, _Where, int]] = [(root, None, 0)]
-    while stack:
-        value, where, depth = stack.pop()
+    cost = 0
+    # frames[i] iterates over the (key, value) pairs of the i-th open container; keys[i] is the
+    # key of the value it gave last: the path of the value at hand, after the root's None.
+    frames: list[Iterator[tuple[Any, Any]]] = [iter(((None, root),))]
+    keys: list[Any] = [None]
+    while frames:
+        item: Any = next(frames[-1], _DONE)
+        if item is _DONE:
+            frames.pop()
+            keys.pop()
+            continue
+        key, value = item
+        keys[-1] = key
         kind = type(value)
         if kind is str:
             if not decoded:
-                _check_str(value, where, "str")  # type: ignore[arg-type]
+                _check_str(value, keys, "str")
         elif kind is int:
             if not decoded:
-                _check_int(value, where)  # type: ignore[arg-type]
+                _check_int(value, keys)
         elif kind in _SCALARS:
             pass
         elif kind is list or (kind is tuple and not decoded):
-            if depth >= MAX_DEPTH:
-                raise _NotPlain(where, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
-            items: list[Any] | tuple[Any, ...] = value  # type: ignore[assignment]
-            if _leaves_are_plain(items, decoded):
+            if len(frames) > MAX_DEPTH:
+                raise _NotPlain(keys, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
+            cost += list_cost(len(value))
+            if _leaves_are_plain(value, decoded):
                 continue
-            stack.extend((item, (where, i), depth + 1) for i, item in enumerate(items))
+            frames.append(enumerate(value))
+            keys.append(None)
         elif isinstance(value, dict) and (kind is dict or not decoded):
-            if depth >= MAX_DEPTH:
-                raise _NotPlain(where, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
-            for key, item in value.items():
-                _check_key(key, where, decoded)
-                stack.append((item, (where, key), depth + 1))
+            if len(frames) > MAX_DEPTH:
+                raise _NotPlain(keys, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
+            cost += dict_cost(len(value))
+            for k in value:
+                _check_key(k, keys, decoded)
+            frames.append(iter(value.items()))
+            keys.append(None)
         else:
-            raise _NotPlain(where, f"type {_type_name(value)} is not plain data", _hint(value))
+            raise _NotPlain(keys, f"type {_type_name(value)} is not plain data", _hint(value))
+    return cost
+
+
+_CONTAINERS = frozenset({list, dict})
+
+
+def _decoded_is_plain(root: object) -> bool:
+    """Whether msgpack's output ``root`` is plain data within ``MAX_DEPTH``: the common case,
+    checked a level at a time at C speed (a type set per container), where ``_walk`` spends a
+    Python step on every value. False means "run _walk", which finds what is wrong and where.
+
+    msgpack's output is a tree (no container appears twice), so this visits each container
+    once; its only other values are plain scalars or a Timestamp (refused here).
+    """
+    level: list[Any] = [root]
+    depth = 0
+    while level:
+        if depth >= MAX_DEPTH or not set(map(type, level)) <= _CONTAINERS:
+            return False
+        below: list[Any] = []
+        for container in level:
+            items = container if type(container) is list else container.values()
+            kinds = set(map(type, items))
+            if kinds <= _LEAF_TYPES:
+                continue
+            if not kinds <= _LEAF_TYPES | _CONTAINERS:
+                return False
+            below.extend(x for x in items if type(x) is list or type(x) is dict)
+        level = below
+        depth += 1
+    return True
+
+
+def list_cost(n: int) -> int:
+    """The modelled memory of a decoded list of ``n`` items (see CONTAINER_BYTES_PER_BYTE)."""
+    return 56 + 8 * n
+
+
+def dict_cost(n: int) -> int:
+    """The modelled memory of a decoded dict of ``n`` items (see CONTAINER_BYTES_PER_BYTE)."""
+    return 224 + 48 * n if n else 64
+
+
+def container_budget(payload_size: int) -> int:
+    """What the containers of a payload of ``payload_size`` bytes may cost when decoded."""
+    return CONTAINER_BYTES_PER_BYTE * payload_size + CONTAINER_ALLOWANCE
+
+
+def _over_budget(cost: str, payload_size: int) -> str:
+    return (
+        f"its lists and dicts take {cost} of memory for a {payload_size}-byte payload, more "
+        f"than the {_mib(container_budget(payload_size))} allowed ({CONTAINER_BYTES_PER_BYTE} "
+        f"bytes per payload byte plus {_mib(CONTAINER_ALLOWANCE)}, so that a small file cannot "
+        "fill the memory)"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _check_key(key: object, where: _Where, decoded: bool) -> None:
@@ -400,12 +531,7 @@ def _hint(value: object) -> str:
 
 
 def _render_path(root: str, where: _Where) -> str:
-    keys: list[Any] = []
-    while where is not None:
-        where, key = where
-        keys.append(key)
-    keys.reverse()
-    parts = [f"[{clip_text(repr(k), 40)}]" for k in keys]
+    parts = [f"[{clip_text(repr(k), 40)}]" for k in where]
     if len(parts) > 16:  # a path into deeply nested data: the ends say where it is
         parts = [*parts[:6], f"...{len(parts) - 12} more...", *parts[-6:]]
     return root + "".join(parts)
@@ -465,6 +591,28 @@ def _describe_exc(exc: BaseException) -> str:
 
 def clip_text(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel = 4
+    r.maxdict = r.maxlist = r.maxtuple = r.maxset = 8
+    r.maxstring = r.maxother = r.maxlong = 80
+    return r
+
+
+_SHORT_REPR = _short_repr()
+
+
+def clip_repr(value: object, limit: int = 200) -> str:
+    """A repr of ``value`` for an error message: at most ``limit`` characters, and at most a few
+    levels and items of a container, so that a huge or deeply nested value from a damaged file
+    neither floods the message nor exhausts the recursion limit (``repr`` would do both)."""
+    try:
+        text = _SHORT_REPR.repr(value)
+    except Exception as exc:  # a user object whose __repr__ raises
+        text = f"<{_type_name(value)}: repr failed with {type(exc).__name__}>"
+    return clip_text(text, limit)
 
 
 def _fail(message: str) -> NoReturn:

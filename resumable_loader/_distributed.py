@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from ._codec import dump_state, load_state
+from ._codec import clip_repr, dump_state, load_state
 from ._errors import CheckpointError
 
 GLOBAL_FORMAT = "resumable_loader.DataLoader.global"
@@ -250,40 +250,49 @@ def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def is_global(sd: Any) -> bool:
+    """Whether ``sd`` says it is a job's global state (its ``format``); nothing else is read."""
     fmt = sd.get("format") if isinstance(sd, dict) else None
-    return isinstance(fmt, str) and fmt == GLOBAL_FORMAT
+    return type(fmt) is str and fmt == GLOBAL_FORMAT
 
 
 def split_global(sd: dict[str, Any]) -> list[dict[str, Any]]:
     """The per-rank states inside a global state.
 
+    Every field is checked by type before it is compared or used, so a damaged file (a tensor
+    or a deeply nested list where an int belongs) is a CheckpointError naming the field, never
+    a RuntimeError or RecursionError from the value itself.
+
     Raises:
         CheckpointError: damaged or of an unknown version.
     """
-    if sd.get("version") != GLOBAL_VERSION:
+    version = sd.get("version")
+    if type(version) is not int or version != GLOBAL_VERSION:
         raise CheckpointError(
             f"cannot load DataLoader state: version: this library reads global version "
-            f"{GLOBAL_VERSION}, the state is {sd.get('version')!r}. Load it with the "
+            f"{GLOBAL_VERSION}, the state is {clip_repr(version)}. Load it with the "
             "resumable_loader release that wrote it."
         )
     ranks, world = sd.get("ranks"), sd.get("world_size")
-    if (
-        not isinstance(ranks, list)
-        or type(world) is not int
-        or len(ranks) != world
-        or not all(isinstance(x, str) for x in ranks)
-    ):
+    if type(world) is not int or world < 1:
         raise CheckpointError(
-            "cannot load DataLoader state: ranks: expected world_size encoded rank states. "
-            "The state is damaged."
+            f"cannot load DataLoader state: world_size: expected an int >= 1, got "
+            f"{clip_repr(world)}. The state is damaged."
         )
-    try:
-        return [load_state(base64.b64decode(x)) for x in ranks]
-    except (ValueError, CheckpointError) as e:
+    if not isinstance(ranks, list) or len(ranks) != world or not all(type(x) is str for x in ranks):
         raise CheckpointError(
-            f"cannot load DataLoader state: ranks: a rank's state does not decode ({e}). "
-            "The state is damaged."
-        ) from None
+            f"cannot load DataLoader state: ranks: expected {world} encoded rank states (one str "
+            f"each), got {clip_repr(ranks)}. The state is damaged."
+        )
+    states = []
+    for r, text in enumerate(ranks):
+        try:
+            states.append(load_state(base64.b64decode(text, validate=True)))
+        except (ValueError, CheckpointError) as e:
+            raise CheckpointError(
+                f"cannot load DataLoader state: ranks[{r}]: the state of rank {r} does not "
+                f"decode ({e}). The state is damaged."
+            ) from None
+    return states
 
 
 __all__ = ["merge_rank_states"]

@@ -41,10 +41,12 @@ is json-able) and msgpack (``dump_state``). Keys:
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._codec import MAX_DEPTH, clip_repr, clip_text
 from ._errors import CheckpointError
 from ._seeding import check_chain, check_generator
 
@@ -288,7 +290,9 @@ def _fail(field_name: str, problem: str, fix: str) -> CheckpointError:
 def _int(sd: dict[str, Any], key: str, *, minimum: int = 0) -> int:
     v = sd.get(key)
     if type(v) is not int or v < minimum:
-        raise _fail(key, f"expected an int >= {minimum}, got {v!r}", "the state is damaged")
+        raise _fail(
+            key, f"expected an int >= {minimum}, got {clip_repr(v)}", "the state is damaged"
+        )
     return v
 
 
@@ -308,6 +312,8 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
 
     Pure: reads ``sd`` only, changes nothing.
     """
+    if isinstance(sd, dict):
+        _check_nesting(sd)
     _check_header(sd, config)
     rp = ResumePoint(
         seed=None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED),
@@ -326,7 +332,7 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
     if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
         raise _fail(
             K_AHEAD,
-            f"expected ids > consumed ({rp.consumed}), got {ahead!r}",
+            f"expected ids > consumed ({rp.consumed}), got {clip_repr(ahead)}",
             "the state is damaged",
         )
     rp.ahead = frozenset(ahead)
@@ -376,6 +382,85 @@ def _check_begun(rp: ResumePoint) -> None:
         )
 
 
+def _check_nesting(sd: dict[Any, Any]) -> None:
+    """Refuse a state nested deeper than ``MAX_DEPTH`` containers or holding itself, naming the
+    field. ``torch.load(weights_only=True)`` builds either from a small file, and the loader
+    reprs, copies and compares states recursively: without this, such a state would end in a
+    RecursionError or an endless copy instead of a CheckpointError.
+
+    Iterative, and each container is walked once however often it is shared (a file can refer
+    to one list millions of times): the work is linear in what the file describes.
+    """
+    container = (dict, list, tuple)
+    height: dict[int, int] = {}  # containers walked already: id -> how many levels they hold
+    open_ids = {id(sd)}  # the containers on the path from the root to the value at hand
+    # One frame per open container: its (key, value) pairs, its id, its tallest child so far.
+    frames: list[list[Any]] = [[iter(sd.items()), id(sd), 0]]
+    keys: list[Any] = [None]  # the key of the value each frame gave last: the field's path
+    while frames:
+        frame = frames[-1]
+        item = next(frame[0], None)
+        if item is None:
+            frames.pop()
+            keys.pop()
+            open_ids.discard(frame[1])
+            height[frame[1]] = frame[2] + 1
+            if frames:
+                frames[-1][2] = max(frames[-1][2], frame[2] + 1)
+            continue
+        key, value = item
+        keys[-1] = key
+        if not isinstance(value, container):
+            continue
+        ident = id(value)
+        if ident in open_ids:
+            raise _fail(_field(keys), "the state holds itself", _PLAIN_FIX)
+        below = height.get(ident)
+        if below is None and not any(issubclass(k, container) for k in _item_kinds(value)):
+            below = height[ident] = 1  # a container of leaves: the common case, at C speed
+        if below is not None:
+            if len(frames) + below > MAX_DEPTH:
+                raise _fail(_field(keys), f"nested deeper than {MAX_DEPTH} levels", _PLAIN_FIX)
+            frame[2] = max(frame[2], below)
+            continue
+        if len(frames) >= MAX_DEPTH:
+            raise _fail(_field(keys), f"nested deeper than {MAX_DEPTH} levels", _PLAIN_FIX)
+        open_ids.add(ident)
+        frames.append([_pairs(value), ident, 0])
+        keys.append(None)
+
+
+_PLAIN_FIX = (
+    "a loader state is plain data, a few levels deep; the file is damaged or was not written "
+    "from state_dict() -- use an earlier checkpoint"
+)
+
+
+def _item_kinds(value: Any) -> set[type]:
+    if isinstance(value, dict):
+        return set(map(type, value.values())) | set(map(type, value))
+    return set(map(type, value))
+
+
+def _pairs(value: Any) -> Any:
+    """(key, value) pairs of a container; a dict's tuple keys count as values too (a pickle can
+    nest them as deeply as anything else)."""
+    if isinstance(value, dict):
+        return itertools.chain(value.items(), ((k, k) for k in value if isinstance(k, tuple)))
+    return enumerate(value)
+
+
+def _field(keys: list[Any]) -> str:
+    """A path of keys as a field name: ``workers[0].dataset_state``."""
+    out = ""
+    for key in keys:
+        if isinstance(key, str) and key.isidentifier():
+            out += f".{key}" if out else key
+        else:
+            out += f"[{clip_repr(key, 40)}]"
+    return clip_text(out, 200) or "the state"
+
+
 def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
     """A DistributedSampler's part: its epoch and the history of world-size changes."""
     d = sd.get(K_DIST)
@@ -400,7 +485,7 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
         raise _fail(
             K_DIST,
             f"expected {{sampler_epoch: int, history: [[world size, [samples per rank]], ...]}}, "
-            f"got {d!r:.200}",
+            f"got {clip_repr(d)}",
             "the state is damaged",
         )
     assert isinstance(d, dict) and isinstance(history, list)
@@ -419,14 +504,14 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
     if not _same(sd.get(K_FORMAT), FORMAT):
         raise _fail(
             K_FORMAT,
-            f"expected {FORMAT!r}, got {sd.get(K_FORMAT)!r}",
+            f"expected {FORMAT!r}, got {clip_repr(sd.get(K_FORMAT))}",
             "this is not a resumable_loader DataLoader state (a model or optimizer state?)",
         )
     version = sd.get(K_VERSION)
     if not _same(version, VERSION):
         raise _fail(
             K_VERSION,
-            f"this library reads version {VERSION}, the state is version {version!r}",
+            f"this library reads version {VERSION}, the state is version {clip_repr(version)}",
             "load it with the resumable_loader release that wrote it",
         )
     cfg = sd.get(K_CONFIG)
@@ -439,7 +524,7 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
         if not _same(cfg.get(name), config[name]):
             raise _fail(
                 f"config.{name}",
-                f"the checkpoint has {cfg.get(name)!r}, this loader has {config[name]!r}",
+                f"the checkpoint has {clip_repr(cfg.get(name))}, this loader has {config[name]!r}",
                 _FIX[name],
             )
 
@@ -450,7 +535,9 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
     rp.drawn = _int(sd, K_DRAWN)
     done = sd.get(K_SAMPLER_DONE, False)
     if type(done) is not bool:
-        raise _fail(K_SAMPLER_DONE, f"expected a bool, got {done!r}", "the state is damaged")
+        raise _fail(
+            K_SAMPLER_DONE, f"expected a bool, got {clip_repr(done)}", "the state is damaged"
+        )
     rp.sampler_done = done
     out = sd.get(K_OUTSTANDING, [])
     if not isinstance(out, list) or not all(
@@ -463,7 +550,7 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
     ):
         raise _fail(
             K_OUTSTANDING,
-            f"expected [[task id < drawn, indices], ...], got {out!r}",
+            f"expected [[task id < drawn, indices], ...], got {clip_repr(out)}",
             "the state is damaged",
         )
     rp.outstanding = [(t, idx) for t, idx in out]
@@ -475,7 +562,7 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
     if not isinstance(workers, list) or len(workers) != n:
         raise _fail(
             K_WORKERS,
-            f"expected {n} worker entries, got {workers!r:.200}",
+            f"expected {n} worker entries, got {clip_repr(workers)}",
             "the state is damaged",
         )
     for i, w in enumerate(workers):
@@ -485,12 +572,14 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
             or w["delivered"] < 0
             or type(w.get("exhausted")) is not bool
         ):
-            raise _fail(f"{K_WORKERS}[{i}]", f"malformed entry {w!r:.200}", "the state is damaged")
+            raise _fail(
+                f"{K_WORKERS}[{i}]", f"malformed entry {clip_repr(w)}", "the state is damaged"
+            )
         at = w.get("state_at", w["delivered"] if w.get("dataset_state") is not None else 0)
         if type(at) is not int or not 0 <= at <= w["delivered"]:
             raise _fail(
                 f"{K_WORKERS}[{i}].state_at",
-                f"expected an int in [0, delivered={w['delivered']}], got {at!r}",
+                f"expected an int in [0, delivered={w['delivered']}], got {clip_repr(at)}",
                 "the state is damaged",
             )
         rp.workers.append(
@@ -513,7 +602,7 @@ def _read_skipped(sd: dict[str, Any]) -> list[Any]:
     ):
         raise _fail(
             K_SKIPPED,
-            f"expected [[epoch, task id, indices], ...], got {skipped!r:.200}",
+            f"expected [[epoch, task id, indices], ...], got {clip_repr(skipped)}",
             "the state is damaged",
         )
     return [list(x) for x in skipped]

@@ -216,3 +216,120 @@ def test_cli_inspects_the_loader_in_a_dcp_directory(tmp_path: Path) -> None:
     assert "world size 1 (any number of ranks can load it)" in out
     assert "rank 0 of 1" in out and "1 tasks consumed" in out
     assert "sampler epoch    0 (DistributedSampler)" in out
+
+
+# --- inspecting never unpickles: a planted DCP directory runs nothing --------------------------
+
+
+class _Planted:
+    """A payload: unpickling it creates the directory ``marker`` (pickled as a call to
+    ``os.mkdir``, so nothing of this module is needed to run it)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.mkdir, (str(self.marker),))
+
+
+def _saved_dcp_directory(path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.utils.data.distributed import DistributedSampler
+
+    from resumable_loader import DataLoader
+
+    ds = list(range(10))
+    loader = DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, 1, 0, seed=5))
+    next(iter(loader))
+    # A "format" beside a tensor: inspect reads the loader's entries only, never a tensor.
+    model = {"w": torch.zeros(3), "format": "not a loader"}
+    dcp.save({"loader": loader, "model": model}, checkpoint_id=str(path))
+
+
+def test_cli_refuses_a_planted_dcp_metadata_file_without_running_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pickle
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    assert main(["inspect", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), "inspect ran code from .metadata"
+    assert len(err.splitlines()) == 1
+    assert "its .metadata cannot be read safely: it refers to posix.mkdir" in err
+    assert "inspect reads none of it" in err
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_cli_refuses_a_real_dcp_directory_with_an_entry_swapped_for_a_pickle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "ran"
+    _saved_dcp_directory(ckpt)
+    assert main(["inspect", str(ckpt)]) == 0  # the real directory reads as before
+    assert "1 tasks consumed" in capsys.readouterr().out
+    # The attacker's edit: the loader's entry now points at a torch.save'd payload.
+    buf = io.BytesIO()
+    torch.save(_Planted(marker), buf)
+    (ckpt / "__planted.distcp").write_bytes(buf.getvalue())
+    with open(ckpt / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # the test's own file, trusted
+    metadata.storage_data[MetadataIndex("loader.ranks")] = _StorageInfo(
+        "__planted.distcp", 0, len(buf.getvalue())
+    )
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+    assert main(["inspect", str(ckpt)]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), "inspect ran code from a checkpoint entry"
+    assert len(err.splitlines()) == 1
+    assert "entry 'loader.ranks' is not plain data that torch.load(weights_only=True) reads" in err
+
+
+def test_cli_refuses_a_torch_file_whose_shared_values_expand_exponentially(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 40 levels of [a, a]: 2**40 values as a tree, in about 1.6 kB of pickle. Walking it as
+    # a tree (the summary, --json) would never end.
+    shared: list[Any] = [[]]
+    for _ in range(40):
+        shared = [shared, shared]
+    state = loader_state()
+    state["workers"][0]["dataset_state"] = shared
+    path = tmp_path / "ckpt.pt"
+    torch.save({"loader": state}, path)
+    for extra in ([], ["--json"]):
+        assert main(["inspect", str(path), "--key", "loader", *extra]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "expand to more than" in err, err
+    # An honest file of the same shape, without the sharing, is summarised as before.
+    state["workers"][0]["dataset_state"] = [[i, [i]] for i in range(1000)]
+    torch.save({"loader": state}, path)
+    assert main(["inspect", str(path), "--key", "loader"]) == 0
+    assert "17 tasks consumed" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_fifo_instead_of_waiting_for_a_writer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / ".metadata")
+    for path in (tmp_path / "fifo", ckpt):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "not a regular file" in err, err

@@ -23,6 +23,7 @@ import pytest
 import torch
 from _datasets import loader_state
 
+from resumable_loader import _codec
 from resumable_loader._codec import (
     HEADER_SIZE,
     MAGIC,
@@ -391,3 +392,46 @@ def test_a_json_able_state_survives_json() -> None:
     through_json = json.loads(json.dumps(state))
     assert same_state(through_json, state)
     assert same_state(load_state(dump_state(through_json)), state)
+
+
+# --- work and memory bounded per input byte ----------------------------------------------------
+
+
+def test_a_file_of_empty_lists_is_refused_while_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A valid, checksummed 4 MB file: one byte per empty list, 56+ bytes per Python list.
+    data = _frame(b"\x81\xa1k\xdd" + struct.pack(">I", 4_000_000) + b"\x90" * 4_000_000)
+    assert data == _frame(msgpack.packb({"k": [[]] * 4_000_000}))
+    budgets: list[Any] = []
+
+    class Recorded(_codec._Budget):
+        def __init__(self, payload_size: int) -> None:
+            super().__init__(payload_size)
+            budgets.append(self)
+
+    monkeypatch.setattr(_codec, "_Budget", Recorded)
+    with pytest.raises(CheckpointError, match="refused while decoding: its lists and dicts take"):
+        load_state(data)
+    # Refused as soon as the budget was spent, not after building all 4 million lists: the
+    # memory spent is what the budget allows, ~35 bytes per input byte (it was ~240).
+    [budget] = budgets
+    allowed = _codec.container_budget(len(data) - HEADER_SIZE)
+    assert allowed < budget.cost <= allowed + _codec.list_cost(0)
+    assert budget.cost // _codec.list_cost(0) < 3_000_000
+    assert allowed < 40 * len(data)
+
+
+def test_dump_state_refuses_what_load_state_would_refuse() -> None:
+    # A checkpoint that can be written but never read would lose the run: refuse it at once.
+    with pytest.raises(CheckpointError, match="too many small lists and dicts"):
+        dump_state({"k": [[]] * 800_000})
+    with pytest.raises(CheckpointError, match="lists and dicts take more"):
+        load_state(_frame(msgpack.packb({"k": [[]] * 800_000})))
+
+
+def test_dense_but_reasonable_containers_round_trip() -> None:
+    # Pairs of small ints, ~27 modelled bytes per payload byte, and thousands of empty
+    # containers in a small state (the allowance) are fine.
+    pairs = {"pairs": [[i % 100, 7] for i in range(100_000)]}
+    assert load_state(dump_state(pairs)) == pairs
+    small = {"empty": [[]] * 50_000, "dicts": [{}] * 50_000}
+    assert load_state(dump_state(small)) == small

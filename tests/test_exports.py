@@ -22,6 +22,7 @@ PUBLIC = [
     "dump_state",
     "load_state",
     "merge_rank_states",
+    "save_checkpoint",
 ]
 
 TESTING = [

@@ -1,0 +1,111 @@
+"""``save_checkpoint``: write a checkpoint file so that a crash never costs the previous one.
+
+``torch.save(obj, "ckpt.pt")`` truncates ``ckpt.pt`` before it writes: a SIGKILL (a preemption,
+the OOM killer) or a power loss during the write leaves a file that does not load, and the
+previous checkpoint is gone with it. Writing elsewhere and renaming is the cure, but only when
+every step is there:
+
+1. a temporary file of a name no one else uses, in the same directory (a rename is atomic only
+   within one filesystem), created exclusively (``O_EXCL``: never someone else's file, never
+   through a planted symlink) with the permissions ``open()`` would give the checkpoint;
+2. the bytes, then ``fsync`` of that file: without it the rename may reach the disk before the
+   data does, and a power loss leaves an empty checkpoint under the final name;
+3. ``os.replace`` over the final name: readers see the old file or the new one, never a mix;
+4. ``fsync`` of the directory, so that the rename itself survives a power loss.
+
+If the write fails (an exception, a full disk), the temporary file is removed -- by the name we
+recorded when we created it -- and the previous checkpoint is untouched. If the process is killed
+during the write, the temporary file stays (``.NAME.<random>.tmp`` beside the checkpoint; nothing
+deletes files by a name pattern) and the previous checkpoint is untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from typing import Any
+
+__all__ = ["save_checkpoint"]
+
+# Unique names: 64 random bits, so two writers (two ranks, two jobs) never pick the same one; an
+# O_EXCL collision is retried anyway.
+_TOKEN_BYTES = 8
+_ATTEMPTS = 16
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
+    """Write ``obj`` to ``path`` atomically: after a crash at any moment, ``path`` holds either
+    the previous checkpoint or the complete new one.
+
+    The data go to a new temporary file beside ``path`` (``.NAME.<random>.tmp``), which is
+    flushed to disk (``fsync``), renamed over ``path`` (``os.replace``), and the directory is
+    flushed so that the rename is durable too. The checkpoint gets the permissions a new file
+    gets from ``open()`` (``0o666`` less the umask).
+
+    Args:
+        obj: bytes (or a bytearray / memoryview), written as they are -- e.g. what
+            :func:`dump_state` returns, or an encoded JSON document; anything else is written
+            with ``torch.save``, for ``torch.load(path, weights_only=True)`` to read.
+        path: the checkpoint's file name. Its directory must exist. If ``path`` is a symlink,
+            the link itself is replaced by the new file.
+
+    Raises:
+        OSError: the file could not be created, written or renamed (e.g. a full disk).
+        Exception: whatever ``torch.save`` raised for ``obj`` (e.g. an object it cannot
+            pickle). In every case the temporary file has been removed and ``path`` is as it
+            was.
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    fd, tmp = _create_unique(directory, name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(obj, (bytes, bytearray, memoryview)):
+                f.write(obj)
+            else:
+                import torch
+
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # Ours: created above under this exact name. (A KeyboardInterrupt too: a Ctrl-C during
+        # a long save should not leave a stray file behind.)
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(directory)
+
+
+def _create_unique(directory: str, name: str) -> tuple[int, str]:
+    """A new file ``.NAME.<random>.tmp`` in ``directory``, opened for writing: (fd, path)."""
+    for _ in range(_ATTEMPTS):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(_TOKEN_BYTES)}.tmp")
+        try:
+            # O_EXCL: fails on any existing name, a symlink included, so we never write through
+            # a link someone planted. Mode 0o666: the umask applies, as for open().
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        return fd, tmp
+    raise FileExistsError(
+        f"save_checkpoint: could not create a temporary file beside {name!r} in {directory!r}: "
+        f"{_ATTEMPTS} random names were all taken"
+    )
+
+
+def _fsync_directory(directory: str) -> None:
+    """Make a rename in ``directory`` durable. Filesystems that cannot fsync a directory say
+    EINVAL; they give no stronger guarantee to ask for, so that is not an error."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
