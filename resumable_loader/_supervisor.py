@@ -361,6 +361,7 @@ class Supervisor:
                     spec.close_fds = sorted(_MAIN_FDS)
             else:
                 spec.close_fds = []
+            spec.main_pid = os.getpid()
             proc = self.ctx.Process(
                 target=worker_main,
                 args=(spec, task_r, result_w),

@@ -15,7 +15,6 @@ The child processes run ``tests/_hardening_jobs.py``.
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import os
 import signal
@@ -106,3 +105,84 @@ def test_a_batch_passed_on_under_file_system_survives_its_workers_death(shm_mana
             got_r.close()
             got_w.close()
             queue.close()
+
+
+# ---- child processes in a session of their own --------------------------------------------------
+def _start(*args: str, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    env = dict(os.environ)
+    root = os.path.dirname(HERE)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, JOBS, *args], pass_fds=pass_fds, start_new_session=True, env=env
+    )
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Kill whatever is left of the child's process group, and reap the child."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGCONT)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(60)
+
+
+def _read(fd: int, until: bytes, timeout_s: float = 120.0) -> bytes:
+    """Read from ``fd`` until ``until`` arrives (an event, waited for with a deadline)."""
+    import select
+
+    got = b""
+    deadline = time.monotonic() + timeout_s
+    while not got.endswith(until):
+        left = deadline - time.monotonic()
+        assert left > 0, f"the child said only {got!r} in {timeout_s} s"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 1)
+            assert chunk, f"the child ended after saying {got!r}"
+            got += chunk
+    return got
+
+
+# ---- orphans exit mid-batch ----------------------------------------------------------------------
+# docs/guarantees.md promises a second; the bound leaves room for a loaded machine. Before the
+# parent watch, a worker hanging in its batch never left.
+ORPHAN_BOUND_S = 5.0
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_orphans_in_the_middle_of_a_batch_exit_under_every_start_method(tmp_path) -> None:
+    # One child "main process" per start method, run side by side to save their start-up
+    # time; each is SIGKILLed while its worker hangs in a batch, and the worker must go.
+    methods = ["fork", "spawn", "forkserver"]
+    procs = {}
+    try:
+        for method in methods:
+            (tmp_path / method).mkdir()
+            procs[method] = _start("orphan", method, str(tmp_path / method))
+        deadline = time.monotonic() + 120
+        for method, proc in procs.items():
+            marker = tmp_path / method / "hanging"
+            while not marker.exists():  # the worker enters its endless batch: an event, polled
+                assert proc.poll() is None, f"{method}: the child ended early"
+                assert time.monotonic() < deadline, f"{method}: the worker never reached its batch"
+                time.sleep(0.02)
+            worker = int(marker.read_text())
+            assert _running(worker)
+            os.kill(proc.pid, signal.SIGKILL)  # the main process, preempted
+            proc.wait(60)
+            killed = time.monotonic()
+            while _running(worker):
+                assert time.monotonic() - killed < ORPHAN_BOUND_S, (
+                    f"{method}: worker {worker} still running {ORPHAN_BOUND_S} s after its main "
+                    "process died"
+                )
+                time.sleep(0.01)
+    finally:
+        for proc in procs.values():
+            _end(proc)
