@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -69,6 +70,10 @@ KILL_JOIN_S = 5.0
 # booting under spawn/forkserver imports torch and unpickles the dataset, seconds normally and
 # more on a loaded machine; a minute of silence is a stuck import or a stopped process.
 BOOT_TIMEOUT_S = 60.0
+# A wait in poll() that overran what it asked for by more than this was a pause of this process
+# (stopped, frozen, a suspended VM) rather than a late wake-up on a busy machine; the overrun
+# is not counted towards task_timeout. A quarter second is far above a scheduler's delay.
+PAUSE_SLACK_S = 0.25
 # Respawn-storm guard: more respawns than max(this, 4 per worker) with not one result received
 # in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
 # raise instead of looping. Deaths between results are left to the per-task poison limit.
@@ -163,6 +168,60 @@ class _ChildSignal:
                 if signal.getsignal(signal.SIGCHLD) == cls._handler:
                     prev = cls.previous
                     signal.signal(signal.SIGCHLD, prev if prev is not None else signal.SIG_DFL)
+                cls.installed = False
+                cls.previous = None
+            except (ValueError, OSError):
+                pass
+
+
+class _Continued:
+    """The process-wide SIGCONT hook: when this process was last continued after a stop.
+
+    A stopped process runs no code, so it cannot see its own pause while it lasts; SIGCONT at
+    its end is the one sign that reaches it wherever it is -- in the user's training step as
+    much as in poll(). The handler (installed from the main thread, chained to any earlier
+    handler, with SA_RESTART so that no system call of the user's fails with EINTR for it)
+    records the time; supervisors compare it with when they last looked.
+    """
+
+    lock = threading.RLock()
+    last = -math.inf  # time.monotonic() of the last SIGCONT
+    users = 0
+    previous: Any = None
+    installed = False
+
+    @classmethod
+    def _handler(cls, signum: int, frame: Any) -> None:
+        cls.last = time.monotonic()
+        prev = cls.previous
+        if callable(prev):
+            prev(signum, frame)
+
+    @classmethod
+    def add(cls) -> None:
+        with cls.lock:
+            cls.users += 1
+            if cls.installed or threading.current_thread() is not threading.main_thread():
+                return  # off the main thread, poll()'s own overruns are the measure
+            try:
+                cls.previous = signal.signal(signal.SIGCONT, cls._handler)
+                signal.siginterrupt(signal.SIGCONT, False)
+                cls.installed = True
+            except (ValueError, OSError):
+                pass
+
+    @classmethod
+    def remove(cls) -> None:
+        with cls.lock:
+            cls.users = max(0, cls.users - 1)
+            if not cls.installed or cls.users:
+                return
+            if threading.current_thread() is not threading.main_thread():
+                return
+            try:
+                if signal.getsignal(signal.SIGCONT) == cls._handler:
+                    prev = cls.previous
+                    signal.signal(signal.SIGCONT, prev if prev is not None else signal.SIG_DFL)
                 cls.installed = False
                 cls.previous = None
             except (ValueError, OSError):
@@ -319,7 +378,10 @@ class Supervisor:
         _register_fds(self._wake_r, self._wake_w)
         self._watch(self._wake_r, "wake", None)
         _ChildSignal.add(self._wake_w)
+        _Continued.add()
         self._last_poll = time.monotonic()
+        self._seen = self._last_poll  # when this supervisor last looked at the clock
+        self.paused_s = 0.0  # this process's pauses seen so far, not counted as running time
         self.respawns_without_progress = 0
         self._starts = self._deaths = self._killed = 0
         self._warned_seeding = False
@@ -494,10 +556,12 @@ class Supervisor:
         event; a watched extra fd (the pin thread's) only ends the wait: its owner drains it.
         """
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000 + 0.999))
+        self._discount_pauses(time.monotonic(), None)  # since the last look: the user's time
         try:
             ready = self._poller.poll(ms)
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
             ready = []
+        self._discount_pauses(time.monotonic(), None if ms < 0 else ms / 1000)
         events: list[Event] = []
         # slot -> (why, kill): "" when the exit status will say why
         dead: dict[WorkerSlot, tuple[str, bool]] = {}
@@ -613,6 +677,34 @@ class Supervisor:
             # The writer is gone: a death, described by its exit status once reaped.
             dead.setdefault(slot, ("", False))
 
+    def _discount_pauses(self, now: float, asked: float | None) -> None:
+        """Take the time this process did not run since it last looked off every hang clock.
+
+        A worker is hung when it makes no progress while the rest of the job runs; a paused job
+        (stopped as a whole, frozen, a suspended VM) is not a hung one, and its pause must not
+        turn into a kill, a poison task or a skip. The pause is seen two ways: a wait that
+        overran what it ``asked`` for (by more than PAUSE_SLACK_S), and a SIGCONT received
+        since the last look (everything before it counts as paused). ``asked`` is None for the
+        time between two looks, spent in the user's code, which counts as running unless a
+        SIGCONT came.
+        """
+        start, self._seen = self._seen, now
+        paused = 0.0
+        if asked is not None and now - start - asked > PAUSE_SLACK_S:
+            paused = now - start - asked
+        resumed = _Continued.last
+        if resumed > start:
+            paused = max(paused, min(resumed, now) - start)
+        if paused <= 0.0:
+            return
+        self.paused_s += paused
+        end = start + paused  # the paused stretch, counted from the start of the interval
+        for slot in self.slots:
+            # A clock started before the pause moves on by all of it; one started inside it,
+            # by the part after its start.
+            slot.busy_since += max(0.0, end - max(slot.busy_since, start))
+            slot.start_since += max(0.0, end - max(slot.start_since, start))
+
     def _hang_clock(self, slot: WorkerSlot) -> tuple[float, str] | None:
         """When a slot counts as hung (monotonic time) and how to say so; None if never."""
         timeout = self.task_timeout
@@ -698,6 +790,7 @@ class Supervisor:
         for slot in self.slots:
             slot.state = STOPPED
         _ChildSignal.remove(self._wake_w)
+        _Continued.remove()
         for fd in (self._wake_r, self._wake_w):
             self._unwatch(fd)
             _unregister_fds(fd)

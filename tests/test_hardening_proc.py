@@ -15,6 +15,7 @@ The child processes run ``tests/_hardening_jobs.py``.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import signal
@@ -139,6 +140,32 @@ def _read(fd: int, until: bytes, timeout_s: float = 120.0) -> bytes:
             assert chunk, f"the child ended after saying {got!r}"
             got += chunk
     return got
+
+
+# ---- a paused job is not a hung one ------------------------------------------------------------
+PAUSE_S = 1.5  # the pause: well over the child's task_timeout (0.8 s)
+
+
+def test_a_paused_job_is_not_a_hung_one() -> None:
+    # The child asks to be paused twice, its workers mid-task each time: first right before it
+    # waits for data, then inside its own training step. Stopping the whole group for longer
+    # than task_timeout must kill nothing: with on_poison="skip", a pause taken for a hang
+    # shows as respawns, and after a few as silently skipped batches.
+    r, w = os.pipe()
+    proc = _start("pause", "fork", str(w), pass_fds=(w,))
+    os.close(w)
+    try:
+        for _ in range(2):
+            _read(r, b"p")
+            os.killpg(proc.pid, signal.SIGSTOP)
+            time.sleep(PAUSE_S)  # the pause itself, not a synchronisation
+            os.killpg(proc.pid, signal.SIGCONT)
+        result = json.loads(_read(r, b"\n"))
+        assert proc.wait(60) == 0
+        assert result == {"same": True, "respawns": 0, "skipped": 0}
+    finally:
+        _end(proc)
+        os.close(r)
 
 
 # ---- orphans exit mid-batch ----------------------------------------------------------------------
