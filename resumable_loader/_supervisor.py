@@ -12,7 +12,11 @@ SIGCHLD handler (installed from the main thread, chained to any earlier handler)
 wake-up pipe so a death is seen even while the user is busy; and every POLL_INTERVAL_S the slots
 are checked with ``is_alive()`` for what the others miss (a grandchild holding the sentinel
 open). A timeout alone never declares a worker dead: only ``task_timeout`` does, and then the
-worker is killed first, so "dead" is always a fact.
+worker is killed first, so "dead" is always a fact. ``task_timeout`` counts the job's running
+time: a pause of this process (a wait that overran, a SIGCONT) is taken off every hang clock,
+so a job stopped as a whole and continued loses no worker (``_discount_pauses``).
+Nothing in /dev/shm is ever deleted here: a dead worker's leftovers cannot be told from
+another job's segments or from a batch passed on (docs/recovery.md).
 
 Slot states (one object per worker id, kept across respawns):
     STARTING ──READY msg──► READY ──death/hang──► DEAD ──respawn()──► STARTING

@@ -168,6 +168,57 @@ def test_a_paused_job_is_not_a_hung_one() -> None:
         os.close(r)
 
 
+def test_pauses_are_taken_off_the_hang_clocks_and_nothing_else() -> None:
+    # The two signs of a pause, on a supervisor with no processes: a wait that overran what it
+    # asked for, and a SIGCONT since the last look. A clock started inside a pause moves on by
+    # the part of the pause after its start; time spent in the user's code still counts.
+    import threading
+
+    from resumable_loader import _supervisor
+
+    sup = _supervisor.Supervisor(
+        multiprocessing.get_context("fork"), None, 2, 1.0, threading.Lock()
+    )
+    try:
+        a, b = sup.slots
+        sup._seen = 100.0
+        a.busy_since, b.busy_since = 99.0, 100.0
+        sup._discount_pauses(100.4, asked=0.2)  # late by 0.2 s: a busy machine, not a pause
+        assert (a.busy_since, b.busy_since) == (99.0, 100.0)
+        sup._discount_pauses(110.4, asked=0.5)  # asked for 0.5 s, got 10 s: paused 9.5 s
+        assert (a.busy_since, b.busy_since) == (108.5, 109.5)
+        sup._discount_pauses(130.4, asked=None)  # 20 s in the user's code: running time
+        assert (a.busy_since, b.busy_since) == (108.5, 109.5)
+        b.busy_since = 133.0  # a task sent inside the next pause
+        _supervisor._Continued.last = 135.4  # ... which ended with a SIGCONT at 135.4
+        sup._discount_pauses(136.4, asked=None)
+        assert (a.busy_since, b.busy_since) == (113.5, 135.4)
+        assert sup.paused_s == pytest.approx(9.5 + 5.0)
+    finally:
+        _supervisor._Continued.last = -float("inf")
+        sup.shutdown()
+
+
+def test_the_sigcont_hook_chains_to_the_previous_handler_and_restores_it() -> None:
+    calls = []
+
+    def previous(signum, frame) -> None:
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGCONT, previous)
+    try:
+        loader = DataLoader(Big(), batch_size=4, num_workers=1, multiprocessing_context="fork")
+        it = iter(loader)
+        next(it)
+        os.kill(os.getpid(), signal.SIGCONT)  # handled before the next line runs
+        assert calls == [signal.SIGCONT]
+        assert len(list(it)) == 1
+        loader.close()
+        assert signal.getsignal(signal.SIGCONT) is previous, "the previous handler was not restored"
+    finally:
+        signal.signal(signal.SIGCONT, old)
+
+
 # ---- orphans exit mid-batch ----------------------------------------------------------------------
 # docs/guarantees.md promises a second; the bound leaves room for a loaded machine. Before the
 # parent watch, a worker hanging in its batch never left.
