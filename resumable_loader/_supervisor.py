@@ -12,7 +12,11 @@ SIGCHLD handler (installed from the main thread, chained to any earlier handler)
 wake-up pipe so a death is seen even while the user is busy; and every POLL_INTERVAL_S the slots
 are checked with ``is_alive()`` for what the others miss (a grandchild holding the sentinel
 open). A timeout alone never declares a worker dead: only ``task_timeout`` does, and then the
-worker is killed first, so "dead" is always a fact.
+worker is killed first, so "dead" is always a fact. ``task_timeout`` counts the job's running
+time: a pause of this process (a wait that overran, a SIGCONT) is taken off every hang clock,
+so a job stopped as a whole and continued loses no worker (``_discount_pauses``).
+Nothing in /dev/shm is ever deleted here: a dead worker's leftovers cannot be told from
+another job's segments or from a batch passed on (docs/recovery.md).
 
 Slot states (one object per worker id, kept across respawns):
     STARTING ──READY msg──► READY ──death/hang──► DEAD ──respawn()──► STARTING
@@ -29,8 +33,8 @@ yet received, in send order, each once. ``statistics()``: processes started, dea
 from __future__ import annotations
 
 import collections
-import glob
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -70,6 +74,10 @@ KILL_JOIN_S = 5.0
 # booting under spawn/forkserver imports torch and unpickles the dataset, seconds normally and
 # more on a loaded machine; a minute of silence is a stuck import or a stopped process.
 BOOT_TIMEOUT_S = 60.0
+# A wait in poll() that overran what it asked for by more than this was a pause of this process
+# (stopped, frozen, a suspended VM) rather than a late wake-up on a busy machine; the overrun
+# is not counted towards task_timeout. A quarter second is far above a scheduler's delay.
+PAUSE_SLACK_S = 0.25
 # Respawn-storm guard: more respawns than max(this, 4 per worker) with not one result received
 # in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
 # raise instead of looping. Deaths between results are left to the per-task poison limit.
@@ -170,6 +178,60 @@ class _ChildSignal:
                 pass
 
 
+class _Continued:
+    """The process-wide SIGCONT hook: when this process was last continued after a stop.
+
+    A stopped process runs no code, so it cannot see its own pause while it lasts; SIGCONT at
+    its end is the one sign that reaches it wherever it is -- in the user's training step as
+    much as in poll(). The handler (installed from the main thread, chained to any earlier
+    handler, with SA_RESTART so that no system call of the user's fails with EINTR for it)
+    records the time; supervisors compare it with when they last looked.
+    """
+
+    lock = threading.RLock()
+    last = -math.inf  # time.monotonic() of the last SIGCONT
+    users = 0
+    previous: Any = None
+    installed = False
+
+    @classmethod
+    def _handler(cls, signum: int, frame: Any) -> None:
+        cls.last = time.monotonic()
+        prev = cls.previous
+        if callable(prev):
+            prev(signum, frame)
+
+    @classmethod
+    def add(cls) -> None:
+        with cls.lock:
+            cls.users += 1
+            if cls.installed or threading.current_thread() is not threading.main_thread():
+                return  # off the main thread, poll()'s own overruns are the measure
+            try:
+                cls.previous = signal.signal(signal.SIGCONT, cls._handler)
+                signal.siginterrupt(signal.SIGCONT, False)
+                cls.installed = True
+            except (ValueError, OSError):
+                pass
+
+    @classmethod
+    def remove(cls) -> None:
+        with cls.lock:
+            cls.users = max(0, cls.users - 1)
+            if not cls.installed or cls.users:
+                return
+            if threading.current_thread() is not threading.main_thread():
+                return
+            try:
+                if signal.getsignal(signal.SIGCONT) == cls._handler:
+                    prev = cls.previous
+                    signal.signal(signal.SIGCONT, prev if prev is not None else signal.SIG_DFL)
+                cls.installed = False
+                cls.previous = None
+            except (ValueError, OSError):
+                pass
+
+
 def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "did not exit"
@@ -192,46 +254,6 @@ def exit_cause(exitcode: int | None) -> str:
         except ValueError:
             return f"signal:{-exitcode}"
     return f"exit:{exitcode}"
-
-
-def remove_orphaned_shm(pid: int) -> int:
-    """Unlink /dev/shm segments a dead worker created and never got to unlink.
-
-    torch names a segment ``torch_<pid>_...``, maps it, then unlinks the name; a worker
-    SIGKILLed (the OOM killer) between the two leaves the name behind forever. Once the worker
-    is reaped, any name of its pid that is still there is orphaned: every result we received
-    from it was mapped on receipt, and results still in flight are discarded with its socket.
-    """
-    removed = 0
-    in_use = _mapped_shm_paths()
-    for path in glob.glob(f"/dev/shm/torch_{pid}_*"):
-        if path in in_use:
-            # Under the file_system strategy a name lives while the segment is in use: this
-            # process still maps a batch that worker sent. torch unlinks it when the last
-            # mapping goes, and aborts the process if someone unlinked it first.
-            continue
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-    if removed:
-        log.debug("removed %d orphaned shared-memory segments of dead worker pid %d", removed, pid)
-    return removed
-
-
-def _mapped_shm_paths() -> set[str]:
-    """The /dev/shm paths this process has mapped now (from /proc/self/maps)."""
-    paths = set()
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                start = line.find("/dev/shm/")
-                if start >= 0:
-                    paths.add(line[start:].rstrip("\n").removesuffix(" (deleted)"))
-    except OSError:
-        pass
-    return paths
 
 
 def _warn_seeding() -> None:
@@ -360,7 +382,10 @@ class Supervisor:
         _register_fds(self._wake_r, self._wake_w)
         self._watch(self._wake_r, "wake", None)
         _ChildSignal.add(self._wake_w)
+        _Continued.add()
         self._last_poll = time.monotonic()
+        self._seen = self._last_poll  # when this supervisor last looked at the clock
+        self.paused_s = 0.0  # this process's pauses seen so far, not counted as running time
         self.respawns_without_progress = 0
         self._starts = self._deaths = self._killed = 0
         self._warned_seeding = False
@@ -402,6 +427,7 @@ class Supervisor:
                     spec.close_fds = sorted(_MAIN_FDS)
             else:
                 spec.close_fds = []
+            spec.main_pid = os.getpid()
             proc = self.ctx.Process(
                 target=worker_main,
                 args=(spec, task_r, result_w),
@@ -508,8 +534,6 @@ class Supervisor:
                 proc.kill()
                 proc.join(KILL_JOIN_S)
             exitcode = proc.exitcode
-            if exitcode is not None and proc.pid:
-                remove_orphaned_shm(proc.pid)
         self._release(slot)
         if proc is not None:
             try:
@@ -536,10 +560,12 @@ class Supervisor:
         event; a watched extra fd (the pin thread's) only ends the wait: its owner drains it.
         """
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000 + 0.999))
+        self._discount_pauses(time.monotonic(), None)  # since the last look: the user's time
         try:
             ready = self._poller.poll(ms)
         except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
             ready = []
+        self._discount_pauses(time.monotonic(), None if ms < 0 else ms / 1000)
         events: list[Event] = []
         # slot -> (why, kill): "" when the exit status will say why
         dead: dict[WorkerSlot, tuple[str, bool]] = {}
@@ -655,6 +681,34 @@ class Supervisor:
             # The writer is gone: a death, described by its exit status once reaped.
             dead.setdefault(slot, ("", False))
 
+    def _discount_pauses(self, now: float, asked: float | None) -> None:
+        """Take the time this process did not run since it last looked off every hang clock.
+
+        A worker is hung when it makes no progress while the rest of the job runs; a paused job
+        (stopped as a whole, frozen, a suspended VM) is not a hung one, and its pause must not
+        turn into a kill, a poison task or a skip. The pause is seen two ways: a wait that
+        overran what it ``asked`` for (by more than PAUSE_SLACK_S), and a SIGCONT received
+        since the last look (everything before it counts as paused). ``asked`` is None for the
+        time between two looks, spent in the user's code, which counts as running unless a
+        SIGCONT came.
+        """
+        start, self._seen = self._seen, now
+        paused = 0.0
+        if asked is not None and now - start - asked > PAUSE_SLACK_S:
+            paused = now - start - asked
+        resumed = _Continued.last
+        if resumed > start:
+            paused = max(paused, min(resumed, now) - start)
+        if paused <= 0.0:
+            return
+        self.paused_s += paused
+        end = start + paused  # the paused stretch, counted from the start of the interval
+        for slot in self.slots:
+            # A clock started before the pause moves on by all of it; one started inside it,
+            # by the part after its start.
+            slot.busy_since += max(0.0, end - max(slot.busy_since, start))
+            slot.start_since += max(0.0, end - max(slot.start_since, start))
+
     def _hang_clock(self, slot: WorkerSlot) -> tuple[float, str] | None:
         """When a slot counts as hung (monotonic time) and how to say so; None if never."""
         timeout = self.task_timeout
@@ -730,8 +784,6 @@ class Supervisor:
                 except OSError:
                     pass
                 proc.join(KILL_JOIN_S)
-            if proc.exitcode is not None and proc.exitcode < 0 and proc.pid:
-                remove_orphaned_shm(proc.pid)  # killed: it may have died mid-allocation
             self._unwatch(proc.sentinel)
             try:
                 proc.close()
@@ -742,6 +794,7 @@ class Supervisor:
         for slot in self.slots:
             slot.state = STOPPED
         _ChildSignal.remove(self._wake_w)
+        _Continued.remove()
         for fd in (self._wake_r, self._wake_w):
             self._unwatch(fd)
             _unregister_fds(fd)

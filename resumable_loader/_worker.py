@@ -21,8 +21,10 @@ import inspect
 import math
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -77,6 +79,17 @@ STATE_WARMUP = 8
 # How often an idle worker checks that its parent is still alive. A worker whose parent died
 # must not linger; one second keeps the check cheap and the orphan's life short.
 PARENT_CHECK_INTERVAL_S = 1.0
+# The parent watch (``_ParentWatch``) sees the main process die at once where the kernel can
+# say so (a pidfd, the task pipe's hang-up); where it cannot, it looks this often.
+PARENT_WATCH_TICK_S = 0.25
+# An orphan busy in a batch is asked to stop at its next Python instruction (SIGTERM), never in
+# the middle of a C call such as torch's shared-memory allocation, which would leave a segment's
+# name behind. One stuck in C code that does not return to Python is killed after this.
+ORPHAN_GRACE_S = 0.5
+# When the main process lets a worker go (it closes the task pipe on shutdown), an idle worker
+# leaves by itself within milliseconds; one still busy after this is stopped as an orphan is,
+# well within the main process's own SHUTDOWN_GRACE_S before it would SIGKILL it.
+HANGUP_GRACE_S = 0.25
 
 
 class StreamEnd(Exception):
@@ -533,6 +546,8 @@ class WorkerSpec:
         self.retry: Any = kw["retry"]
         self.state_every: int | None = kw.get("state_every")
         self.close_fds: list[int] = kw.get("close_fds", [])
+        # The main process (under forkserver the worker's parent is the fork server).
+        self.main_pid: int = kw.get("main_pid", 0)
 
 
 def _set_worker_info(spec: WorkerSpec) -> None:
@@ -559,12 +574,26 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent to start
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGCONT, signal.SIG_DFL)  # the main process's pause hook (under fork)
+    signal.signal(signal.SIGTERM, _terminate_at_a_safe_point)
     try:
         torch._C._set_worker_signal_handlers()  # prints a clear message on SIGSEGV/SIGBUS
     except Exception:
         pass
     torch.set_num_threads(1)
     parent = os.getppid()
+    watch = _ParentWatch(spec.main_pid or parent, parent, task_conn.fileno())
+    if not watch.main_alive():
+        return  # the main process died while this worker was starting
+    watch.start()
+    try:
+        _run_worker(spec, task_conn, result_conn, parent)
+    finally:
+        watch.leave()
+
+
+def _run_worker(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int) -> None:
+    """A started worker: BOOTED, worker_init_fn, READY, then the task loop until it ends."""
     wid = spec.worker_id
     where = f"in DataLoader worker {wid} (pid {os.getpid()})"
     # From here on, a start that takes too long is worker_init_fn's doing (task_timeout).
@@ -590,6 +619,104 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
         _loop(spec, task_conn, result_conn, parent, where)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the main process closed our pipes: shut down quietly
+
+
+def _terminate_at_a_safe_point(signum: int, frame: Any) -> None:
+    """SIGTERM: die of it, at a Python instruction boundary (where handlers run).
+
+    The kernel's default would end the worker wherever it is, possibly inside torch's
+    shared-memory allocation, between creating a segment's name and unlinking it: the name
+    would stay in /dev/shm, and nothing may delete it for us (we cannot tell it from another
+    job's). Here no C call is in progress, so nothing is half made.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class _ParentWatch(threading.Thread):
+    """Ends the worker within a second of its main process's death, even mid-batch.
+
+    The task loop checks its parent only between tasks, so a worker whose main process was
+    SIGKILLed would finish the batch it is in (forever, in a hung read). This thread waits for
+    the main process's end: its pidfd becomes readable (Linux >= 5.3), or the task pipe hangs up
+    (the main process's end closed: it died, or let this worker go), or -- where neither can be
+    had -- the parent changes. Then it asks the worker's main thread to stop (SIGTERM, taken at
+    the next Python instruction), and kills the process if that has not happened in
+    ORPHAN_GRACE_S.
+
+    Not PR_SET_PDEATHSIG: that follows the thread that started the worker (a loader iterated in
+    a thread that ends would lose its workers), under forkserver it follows the fork server,
+    and its signal lands at any instruction (SIGKILL mid-allocation leaves a name in /dev/shm).
+    """
+
+    def __init__(self, main_pid: int, parent: int, task_fd: int) -> None:
+        super().__init__(name="resumable_loader-parent-watch", daemon=True)
+        self.main_pid = main_pid
+        self.parent = parent
+        self.task_fd = task_fd
+        self.lock = threading.Lock()
+        self.leaving = False
+        self.pidfd: int | None = None
+        try:
+            self.pidfd = os.pidfd_open(main_pid)
+        except (AttributeError, OSError):
+            pass  # gone already (ESRCH), an old kernel, or a seccomp filter: see main_alive()
+
+    def main_alive(self) -> bool:
+        """Whether the main process still runs; checked once more after the pidfd was taken,
+        since the main process may have died before this worker got to watch it."""
+        if self.pidfd is None:
+            try:
+                os.kill(self.main_pid, 0)
+            except ProcessLookupError:
+                return False
+            except OSError:
+                pass
+        return not self._died_within(0.0)
+
+    def _died_within(self, seconds: float) -> bool:
+        """Whether the main process is seen dead within ``seconds`` (at once if it is).
+
+        A dying process closes its files before it is reported as ended, so the task pipe can
+        hang up a moment before the pidfd becomes readable: wait for the pidfd, not a bare
+        moment. (poll, not select: the fd may be above FD_SETSIZE.)
+        """
+        if self.pidfd is not None:
+            poller = select.poll()
+            poller.register(self.pidfd, select.POLLIN)
+            return bool(poller.poll(int(seconds * 1000)))
+        if os.getppid() == self.parent and seconds > 0:
+            time.sleep(seconds)
+        return os.getppid() != self.parent
+
+    def leave(self) -> None:
+        """The worker is leaving by itself (STOP, or its pipe's EOF): do not signal it."""
+        with self.lock:
+            self.leaving = True
+
+    def run(self) -> None:
+        poller = select.poll()
+        if self.pidfd is not None:
+            poller.register(self.pidfd, select.POLLIN)
+        # Mask 0: only POLLHUP/POLLERR, so the tasks waiting in the pipe are not consumed here.
+        poller.register(self.task_fd, 0)
+        tick = -1 if self.pidfd is not None else int(PARENT_WATCH_TICK_S * 1000)
+        while not poller.poll(tick):
+            if os.getppid() != self.parent:
+                break
+        # If only the pipe hung up, the main process let this worker go (shutdown, or it was
+        # declared dead): an idle worker leaves by itself meanwhile; a busy one is stopped.
+        self._died_within(HANGUP_GRACE_S)
+        with self.lock:
+            busy = not self.leaving
+        main = threading.main_thread().ident
+        if busy and main is not None:
+            try:
+                signal.pthread_kill(main, signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+        time.sleep(ORPHAN_GRACE_S)  # its time to stop; the process ends, this thread with it
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _send(sock: Any, msg: Any) -> bool:

@@ -412,29 +412,34 @@ def test_stream_poison_ends_that_workers_shard(tmp_path) -> None:
     assert sorted(got) == sorted([*range(0, 10, 2), 1, 3]), "worker 1's shard ends at the poison"
 
 
-class DiesMidAllocation(RandomAugDataset):
-    """Sample 10 leaves a segment named like torch's in /dev/shm, then the worker is killed:
-    the window between torch's shm_open and unlink, hit by the OOM killer."""
+def test_a_dead_workers_clean_up_deletes_no_shm_name_it_did_not_record() -> None:
+    # A name that only looks like the dead worker's (another job's segment in a shared
+    # /dev/shm, with the same pid in its own pid namespace) must survive the worker's death.
+    def make(**kw) -> DataLoader:
+        return DataLoader(RandomAugDataset(4 * N), batch_size=BS, generator=gen(), **kw)
 
-    def __init__(self, n: int, marker: str) -> None:
-        super().__init__(n)
-        self.marker = marker
-
-    def __getitem__(self, i: int):
-        if i == 10 and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            with open(f"/dev/shm/torch_{os.getpid()}_regression_0", "wb") as f:
-                f.write(b"x")
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(i)
-
-
-def test_shm_name_left_by_a_worker_killed_mid_allocation_is_removed(tmp_path) -> None:
-    ds = DiesMidAllocation(N, str(tmp_path / "once"))
-    loader = DataLoader(ds, batch_size=BS, num_workers=2, generator=gen())
-    assert [canonical(b) for b in loader] == reference()
-    assert loader.statistics().respawns == 1
-    # conftest's leak check then asserts that no torch_* entry is left in /dev/shm.
+    ref = [canonical(b) for b in make()]
+    loader = make(num_workers=2)
+    planted = None
+    try:
+        got = []
+        for i, batch in enumerate(loader):
+            got.append(canonical(batch))
+            if i == 1:
+                pid = loader.statistics().worker_pids[0]
+                planted = f"/dev/shm/torch_{pid}_planted"
+                with open(planted, "wb") as f:
+                    f.write(b"not ours")
+                kill_worker(loader, 0, signal.SIGKILL)
+        assert got == ref
+        assert loader.statistics().respawns == 1
+        loader.close()
+        with open(planted, "rb") as f:
+            assert f.read() == b"not ours"
+    finally:
+        loader.close()
+        if planted is not None and os.path.exists(planted):
+            os.unlink(planted)
 
 
 def test_respawn_storm_ends_in_a_clear_error(tmp_path) -> None:
