@@ -55,6 +55,7 @@ from ._seeding import (
     restore_rngs,
     seed_global_rngs,
 )
+from ._shm import use_anonymous_shared_memory
 
 # The messages and statuses are in _protocol; these names stay importable from here.
 OK, ERROR, END = Status.OK, Status.ERROR, Status.END
@@ -581,6 +582,8 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     except Exception:
         pass
     torch.set_num_threads(1)
+    # Batches in shared memory with no name, so a kill leaves nothing in /dev/shm (_shm).
+    use_anonymous_shared_memory()
     parent = os.getppid()
     watch = _ParentWatch(spec.main_pid or parent, parent, task_conn.fileno())
     if not watch.main_alive():
