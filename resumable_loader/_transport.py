@@ -8,7 +8,7 @@ the message with SCM_RIGHTS, so a received message needs nothing more from its s
 main side reads without ever blocking (``Receiver.feed``), so a worker stopped halfway through a
 send cannot stall it either.
 
-Frame: header ``<III`` (payload length, number of fds, body length) sent with the fds
+Frame: header ``<QIQ`` (payload length, number of fds, body length) sent with the fds
 attached, then the payload: the pickled message (the body), then -- when the message holds
 storages that travel through shared memory -- the pickled slot table that says how each of them
 travels. Storages of at most ``INLINE_MAX`` bytes are copied into the body instead: for small
@@ -58,7 +58,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-_HEADER = struct.Struct("<III")
+# 64-bit lengths: a message of any size torch's own pipe would carry (multiprocessing frames
+# over 2 GiB with an 8-byte length too) can be framed -- a batch copied inline over 4 GiB (a
+# non-tensor batch, or a large one that found /dev/shm full) included (issue #25).
+_HEADER = struct.Struct("<QIQ")
 # At most this many fds per message (see the module docstring): enough for the batches whose
 # few large storages are best sent as they lie, few enough that num_workers x prefetch_factor
 # batches in flight stay far below a 1024-fd limit.
