@@ -493,21 +493,28 @@ class _Mapping:
         self.size = size
         self.flag = ctypes.c_uint8.from_address(addr + size)
 
-    def __del__(self) -> None:
-        _libc.munmap(self.addr, self.size + PACK_ALIGN)
+    def __del__(self, _munmap: Any = _libc.munmap) -> None:  # (bound now: safe at exit)
+        _munmap(self.addr, self.size + PACK_ALIGN)
 
 
 class _Lease:
     """Main side: one batch's hold on a pooled segment. Every storage rebuilt over the segment
-    refers to it; when the last goes, the segment goes back to its worker (its flag)."""
+    refers to it; when the last goes, the segment goes back to its worker (its flag).
 
-    __slots__ = ("seg",)
+    Only in the process that received the batch: a worker forked later holds a copy of the
+    lease (of everything this process held), and that copy going away at the worker's exit
+    must not give back a segment whose batch this process still holds.
+    """
+
+    __slots__ = ("pid", "seg")
 
     def __init__(self, seg: _Mapping) -> None:
         self.seg = seg
+        self.pid = os.getpid()
 
     def __del__(self) -> None:
-        self.seg.flag.value = 0
+        if os.getpid() == self.pid:
+            self.seg.flag.value = 0
 
 
 def _rebuild_pooled(off: int, nbytes: int) -> torch.UntypedStorage:

@@ -910,3 +910,42 @@ def test_a_worker_killed_while_writing_a_pooled_segment_delivers_nothing_of_it(
     assert (tmp_path / "killed").exists(), "the worker was never killed: the test proves nothing"
     assert stats.respawns == 1
     assert [canonical(b) for b in held] == reference
+
+
+def test_a_forked_process_dropping_its_copy_of_a_held_batch_gives_nothing_back(
+    worker_pool: _transport.ShmPolicy,
+) -> None:
+    """A worker forked (a respawn) while the caller holds a pooled batch inherits a copy of it;
+    that copy going away in the child must not hand the segment back to its worker, which
+    would then overwrite the batch the caller still holds."""
+    policy = worker_pool
+    ours, theirs = socket.socketpair()
+    receiver = _transport.Receiver(ours)
+    try:
+        held = []
+        for _ in range(2):  # the first batch teaches the pool its size; the second is pooled
+            policy.allow()
+            with _transport.collating():
+                storage = torch.UntypedStorage._new_shared(MiB)
+            _transport.send(theirs, torch.empty(0, dtype=torch.uint8).set_(storage), policy)
+            del storage
+            held += receiver.feed()
+        assert policy.pool is not None
+        (seg,) = policy.pool.segments.values()
+        assert seg.lent
+        pid = os.fork()
+        if pid == 0:  # the child drops its copy of everything the parent held, then exits
+            code = 0
+            try:
+                del held[:]
+            except BaseException:
+                code = 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert seg.lent, "the child's copy gave back a segment the parent still holds"
+        del held
+        assert not seg.lent, "the parent's drop gives it back"
+    finally:
+        theirs.close()
+        receiver.close()
