@@ -11,7 +11,7 @@ What lives here:
   them; it exists so that every code path of the scripts can be run before the real loader
   exists. Figures taken in self-test mode say nothing about ``resumable_loader``.
 - ``IndexDataset(n)``: item i is the int i (the benchmarks' zero-cost dataset).
-- ``spin(seconds)``: CPU busy work on ``time.perf_counter`` (``time.sleep`` would let the other
+- ``spin(seconds)``: CPU busy work on ``time.thread_time`` (``time.sleep`` would let the other
   processes use the core and hide the loader's own CPU cost).
 - ``alternate(...)``: A/B measurement in one process, the order swapped every round so neither
   side always runs first (warm caches, CPU frequency and page-cache drift cancel out).
@@ -28,6 +28,7 @@ import os
 import platform
 import statistics as _stats
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -209,10 +210,34 @@ class IndexDataset:
 
 
 def spin(seconds: float) -> None:
-    """Busy-wait ``seconds`` of CPU time on the calling core (not sleep: see module docstring)."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Busy-work for ``seconds`` of this thread's CPU time (not sleep: see module docstring).
+
+    On ``time.thread_time``, not a wall clock: a deadline in wall time would count as work the
+    time a thread spends preempted by other processes or waiting for the GIL -- two threads
+    would then both "finish" GIL-bound work in the time of one, and a loaded machine would do
+    the limit's work for free.
+    """
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
+
+
+_nogil = threading.local()
+
+
+def spin_nogil(seconds: float) -> None:
+    """CPU work for ``seconds`` that releases the GIL, as image decoders do: numpy ufuncs on
+    256 KiB arrays (each call computes with the GIL released; only the loop around holds it)."""
+    import numpy as np
+
+    bufs = getattr(_nogil, "bufs", None)
+    if bufs is None:  # per thread: SPDL and Grain call datasets from several threads
+        bufs = _nogil.bufs = [np.ones(1 << 16, dtype=np.float32) for _ in range(3)]
+    a, b, c = bufs
+    end = time.thread_time() + seconds  # (CPU time: see ``spin``)
+    while time.thread_time() < end:
+        np.multiply(a, b, out=c)
+        np.sqrt(c, out=c)
 
 
 def median(xs: Sequence[float]) -> float:

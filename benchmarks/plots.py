@@ -16,7 +16,8 @@ from typing import Any
 
 DPI = 100
 # one colour per loader, the same in every chart
-COLOURS = {"ours": "tab:blue", "torch": "tab:orange", "torchdata": "tab:green", "limit": "black"}
+COLOURS = {"ours": "tab:blue", "torch": "tab:orange", "torchdata": "tab:green", "limit": "black",
+           "grain": "tab:red", "spdl": "tab:purple"}  # fmt: skip
 
 
 def _plt() -> Any:
@@ -132,14 +133,17 @@ def draw_throughput(path: str, s: dict[str, Any]) -> bool:
     if plt is None:
         return False
     names = [w for w, v in s.items() if isinstance(v, dict) and "ratios" in v]
-    sides = [k for k in ("ours_limit", "torch_limit", "torchdata_limit")
-             if names and k in s[names[0]]["ratios"]]  # fmt: skip
+    # Every loader measured on some workload (Grain and SPDL run on four of them only).
+    sides = [f"{k}_limit" for k in ("ours", "torch", "torchdata", "grain", "spdl")
+             if any(f"{k}_limit" in s[w]["ratios"] for w in names)]  # fmt: skip
+    nan = float("nan")
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 4))
     width = 0.8 / max(1, len(sides))
     for i, side in enumerate(sides):
-        med = [s[w]["ratios"][side]["median"] for w in names]
-        lo = [m - s[w]["ratios"][side]["min"] for m, w in zip(med, names)]
-        hi = [s[w]["ratios"][side]["max"] - m for m, w in zip(med, names)]
+        r = [s[w]["ratios"].get(side, {"median": nan, "min": nan, "max": nan}) for w in names]
+        med = [x["median"] for x in r]
+        lo = [m - x["min"] for m, x in zip(med, r)]
+        hi = [x["max"] - m for m, x in zip(med, r)]
         xs = [j + i * width for j in range(len(names))]
         ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=side.split("_")[0],
                color=COLOURS.get(side.split("_")[0]))  # fmt: skip

@@ -89,8 +89,12 @@ def _rows_throughput(s: dict[str, Any]) -> list[list[str]]:
         rows.append([f"{w}: ours / limit", _span(r["ours_limit"]), f"<= {gl}" if gl else "-"])
         rows.append([f"{w}: torch / limit", _span(r["torch_limit"]), "-"])
         rows.append([f"{w}: ours / torch", _span(r["ours_torch"]), f"<= {gt}" if gt else "-"])
-        if "torchdata_limit" in r:
-            rows.append([f"{w}: torchdata / limit", _span(r["torchdata_limit"]), "-"])
+        for peer in ("torchdata", "grain", "spdl"):
+            if f"{peer}_limit" in r:
+                rows.append([f"{w}: {peer} / limit", _span(r[f"{peer}_limit"]), "-"])
+        if "ours_best_other" in r:
+            best = v.get("best_other", "best other")
+            rows.append([f"{w}: ours / {best}", _span(r["ours_best_other"]), "< 1"])
     return rows
 
 

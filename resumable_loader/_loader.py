@@ -448,6 +448,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             init_fn=self.worker_init_fn,
             retry=self.retry,
             state_every=self.stream_state_every,
+            prefetch_factor=self.prefetch_factor or 2,
         )
 
         def make_spec(wid: int) -> WorkerSpec:

@@ -8,7 +8,7 @@ the message with SCM_RIGHTS, so a received message needs nothing more from its s
 main side reads without ever blocking (``Receiver.feed``), so a worker stopped halfway through a
 send cannot stall it either.
 
-Frame: header ``<III`` (payload length, number of fds, body length) sent with the fds
+Frame: header ``<QIQ`` (payload length, number of fds, body length) sent with the fds
 attached, then the payload: the pickled message (the body), then -- when the message holds
 storages that travel through shared memory -- the pickled slot table that says how each of them
 travels. Storages of at most ``INLINE_MAX`` bytes are copied into the body instead: for small
@@ -25,6 +25,16 @@ holds its fd open for as long as it lives (torch maps with the fd kept), so one 
 rather than per tensor is what keeps a large prefetch window under ``ulimit -n``. The slices
 keep the segment alive through ordinary references (slice -> array -> segment): it is freed,
 fd and all, when the caller drops the last tensor of the batch.
+
+A pool of segments (issue #26): a fresh segment per batch costs more than the work of an
+image batch -- every page zeroed, faulted in by the worker and again by the main process, then
+torn down. So each worker keeps a few segments (``SegmentPool``: its share of the prefetch
+window and the batch the caller holds); torch's collate writes the batch straight into a free
+one (``collating``); the message carries (offset, length) in it, and the segment's fd only the
+first time; the main process maps each segment once and rebuilds the batch's storages over it,
+each holding a ``_Lease`` whose end hands the segment back (a flag byte at its end). A worker
+never writes into a segment whose flag is set, so a batch the caller holds is never
+overwritten; a batch that finds none free takes a fresh segment, as before.
 
 Memory: a batch has one owner at a time. Nothing on the send path may form a reference cycle
 with the batch: the pickler's memo holds every object it pickled until the pickler dies, so a
@@ -43,6 +53,8 @@ trying /dev/shm batch after batch while it stays full. The frame is the same eit
 from __future__ import annotations
 
 import array
+import contextlib
+import ctypes
 import errno
 import functools
 import io
@@ -53,12 +65,16 @@ import struct
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import torch
 
-_HEADER = struct.Struct("<III")
+# 64-bit lengths: a message of any size torch's own pipe would carry (multiprocessing frames
+# over 2 GiB with an 8-byte length too) can be framed -- a batch copied inline over 4 GiB (a
+# non-tensor batch, or a large one that found /dev/shm full) included (issue #25).
+_HEADER = struct.Struct("<QIQ")
 # At most this many fds per message (see the module docstring): enough for the batches whose
 # few large storages are best sent as they lie, few enough that num_workers x prefetch_factor
 # batches in flight stay far below a 1024-fd limit.
@@ -82,6 +98,9 @@ SHM_DIR = "/dev/shm"
 # the tmpfs and is rolled back, and a map-style batch is then read a second time. 64 batches is
 # a few seconds of a typical epoch: /dev/shm is tried again soon after it has room.
 SHM_BACKOFF_MAX = 64
+# Pooled segments are sized in these steps, with 1/32 of headroom, so that batches that vary
+# a little in size (variable-length fields) still fit the segments already made.
+POOL_ROUND = 64 * 1024
 
 _tls = threading.local()
 # The main process warns once about a full /dev/shm: one line that says what to change is
@@ -216,7 +235,10 @@ class ShmPolicy:
     Invariant: ``note`` is None until the first refusal or failure, then the latest one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool_segments: int = 0) -> None:
+        # At most this many pooled segments (see ``SegmentPool``); 0: no pool.
+        self._pool_segments = pool_segments
+        self.pool: SegmentPool | None = None
         self._skip = 0  # batches still to send without trying /dev/shm
         self._backoff = 0  # the length of the current run of skips (0: no failure pending)
         self._need = 0  # bytes of shared memory the last large batch needed
@@ -228,8 +250,12 @@ class ShmPolicy:
         self.packing = False
 
     def allow(self) -> bool:
-        """Whether the next batch may use /dev/shm. Call once per batch."""
+        """Whether the next batch may use /dev/shm. Call once per batch; it also reserves the
+        pooled segment the batch will be collated into, when there is one (``pooled``)."""
         self._failed_now = False
+        pool = self._get_pool()
+        if pool is not None and pool.reserve_free():
+            return True  # a segment already made: no new room needed
         if self._skip:
             self._skip -= 1
             return False
@@ -240,7 +266,30 @@ class ShmPolicy:
                 reason = f"only {_mib(free)} free, and the last batch needed {_mib(self._need)}"
                 self.note = ShmNote(reason, total, used, os.getpid())
                 return False
+        if pool is not None:
+            try:
+                pool.reserve_new()
+            except RuntimeError as exc:
+                if not shm_exhausted(exc):
+                    raise
+                self.failed(exc)
+                return False
         return True
+
+    def _get_pool(self) -> SegmentPool | None:
+        global _worker_pool
+        if self.pool is None and self._pool_segments:
+            if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+                # file_system names its segments and counts references in its manager
+                # process: not pooled, the per-batch path stays.
+                return None
+            self.pool = _worker_pool = SegmentPool(self._pool_segments)
+        return self.pool
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the batch being built has a pooled segment to be collated into."""
+        return self.pool is not None and self.pool.target is not None
 
     @property
     def large(self) -> bool:
@@ -257,13 +306,222 @@ class ShmPolicy:
 
     def sent(self, out: _Outbox) -> None:
         """After a message went out: learn how much shared memory a batch needs."""
-        need = out.shared_bytes + out.fallback_bytes
+        need = out.shared_bytes + out.fallback_bytes + out.pooled_bytes
         self._sent_any = True
         self.packing = out.packed
         if need:
             self._need = need
         if out.shared_bytes and not self._failed_now:
             self._backoff = 0  # /dev/shm worked again: a new failure starts a new backoff
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+class _Segment:
+    """A pooled segment, worker side: its storage (which owns the fd) and a byte view of it.
+    Its last ``PACK_ALIGN`` bytes hold its lending flag (see ``SegmentPool``)."""
+
+    __slots__ = ("announced", "base", "flag", "id", "size", "storage", "view")
+
+    def __init__(self, sid: int, size: int) -> None:
+        self.id = sid
+        self.storage = torch.UntypedStorage._new_shared(size + PACK_ALIGN)
+        self.size = size  # bytes for batches, before the flag
+        self.view = _byte_view(self.storage)
+        self.flag = self.view[size : size + 1]  # 1: the main process holds a batch in it
+        self.base = self.storage.data_ptr()
+        self.announced = False  # the main process has mapped it
+
+    @property
+    def lent(self) -> bool:
+        return bool(self.flag[0])
+
+
+class SegmentPool:
+    """Worker side: shared-memory segments reused batch after batch (issue #26).
+
+    A fresh segment per batch costs an fallocate that zeroes every page, a page fault per
+    page in the worker and again in the main process, and the teardown: ~0.65 ms per MiB,
+    more than the work of an image batch's copy. A pooled segment is created, mapped and
+    faulted in once, by both processes; then each batch is collated straight into it.
+
+    One owner at a time: each segment ends with a flag byte that says the main process holds
+    a batch in it. The worker sets it before it sends the batch and never writes into a
+    segment whose flag is set; the main process clears it when the last tensor of that batch
+    is gone (``_Lease``). A worker killed mid-write leaves a segment that was never lent, in a
+    message never completed: nothing of it is delivered, and its memory goes with the last
+    mapping.
+
+    At most ``cap`` segments: the worker's share of the prefetch window and the batch the
+    caller holds. A batch that finds none free goes through a fresh segment as before, so a
+    caller that keeps batches costs memory, never correctness.
+    Invariant: ``target`` is free (flag clear) or None while a batch is being built.
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.segments: dict[int, _Segment] = {}
+        self.next_id = 0
+        self.retired: list[int] = []  # ids the main process must forget (sent with a message)
+        self.target: _Segment | None = None  # the segment the batch being built goes into
+        self.offset = 0  # bytes of ``target`` taken by the batch being built
+        self.asked = 0  # shared bytes the current collate asked for (aligned)
+        self.demand = 0  # ... and the last one's
+        self.thread = 0  # the thread whose collate allocates from the pool (0: none)
+
+    def _free(self) -> list[_Segment]:
+        return [s for s in self.segments.values() if not s.lent]
+
+    def reserve_free(self) -> bool:
+        """Before a batch: take a free segment that fits the last batch; False if none."""
+        self.target = None
+        want = self.demand
+        if want:
+            fits = [s for s in self._free() if s.size >= want]
+            if fits:
+                self.target = min(fits, key=lambda s: s.size)
+        return self.target is not None
+
+    def reserve_new(self) -> None:
+        """No free segment fits: make one if the pool has room (retiring a free one that is
+        too small). Raises what torch's allocator raises when /dev/shm is full."""
+        want = self.demand
+        if not want:
+            return
+        if len(self.segments) >= self.cap:
+            free = self._free()
+            if not free:
+                return  # every segment is lent: this batch takes a fresh one
+            old = min(free, key=lambda s: s.size)
+            del self.segments[old.id]
+            self.retired.append(old.id)
+        seg = _Segment(self.next_id, _round_up(want + want // 32, POOL_ROUND))
+        self.next_id += 1
+        self.segments[seg.id] = seg
+        self.target = seg
+
+    def alloc(self, nbytes: int) -> torch.UntypedStorage:
+        """The collate's ``_new_shared``: a slice of the reserved segment when it fits."""
+        if nbytes <= INLINE_MAX:
+            return torch.UntypedStorage(nbytes)  # copied into the message anyway
+        aligned = _round_up(nbytes, PACK_ALIGN)
+        self.asked += aligned
+        seg = self.target
+        if seg is not None and self.offset + nbytes <= seg.size:
+            off = self.offset
+            self.offset += aligned
+            piece = seg.view[off : off + nbytes]
+            return torch.frombuffer(piece, dtype=torch.uint8).untyped_storage()
+        return _torch_new_shared(torch.UntypedStorage, nbytes)  # does not fit: a fresh one
+
+    def where(self, storage: torch.UntypedStorage) -> int:
+        """The offset of ``storage`` in the reserved segment, or -1 if it does not lie there."""
+        seg = self.target
+        if seg is None:
+            return -1
+        off = storage.data_ptr() - seg.base
+        return off if 0 <= off < seg.size else -1
+
+
+_torch_new_shared = torch.storage._StorageBase.__dict__["_new_shared"].__func__
+_worker_pool: SegmentPool | None = None  # this worker's (at most one per process)
+
+
+def _pooled_new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
+    pool = _worker_pool
+    if (
+        pool is None
+        or cls is not torch.UntypedStorage
+        or pool.thread != threading.get_ident()
+        or torch.device(device).type != "cpu"
+    ):
+        return _torch_new_shared(cls, size, device=device)
+    return pool.alloc(size)
+
+
+@contextlib.contextmanager
+def collating() -> Iterator[None]:
+    """Worker side, around a collate that may use shared memory: torch's collate allocates
+    its output with ``_new_shared``; in this thread, for this call, such an allocation comes
+    from the pool's reserved segment when it fits, so the batch is written where it travels.
+    """
+    pool = _worker_pool
+    if pool is None or pool.thread:
+        yield
+        return
+    pool.offset = pool.asked = 0
+    pool.thread = threading.get_ident()
+    torch.UntypedStorage._new_shared = classmethod(_pooled_new_shared)  # type: ignore[assignment,method-assign]
+    try:
+        yield
+    finally:
+        del torch.UntypedStorage._new_shared  # back to torch's own (inherited) method
+        pool.thread = 0
+        pool.demand = pool.asked
+
+
+# Main side: mappings made with mmap(2) directly, so that no fd is held per pooled segment
+# (Python's mmap module keeps a dup of the fd for as long as the mapping lives).
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+_libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """Main side: one pooled segment, mapped (its pages populated) once and unmapped when the
+    last reference goes: the receiver's, or that of a lease on a batch still held. (A worker
+    forked later inherits the mapping, as it inherits a held batch's: MADV_DONTFORK would make
+    a dataset that refers to a delivered batch crash in the child.)"""
+
+    __slots__ = ("addr", "flag", "size")
+
+    def __init__(self, fd: int, size: int) -> None:
+        import mmap
+
+        length = size + PACK_ALIGN
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        addr = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if addr is None or addr == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of a pooled segment of {size} bytes: {os.strerror(err)}")
+        self.addr: int = addr
+        self.size = size
+        self.flag = ctypes.c_uint8.from_address(addr + size)
+
+    def __del__(self, _munmap: Any = _libc.munmap) -> None:  # (bound now: safe at exit)
+        _munmap(self.addr, self.size + PACK_ALIGN)
+
+
+class _Lease:
+    """Main side: one batch's hold on a pooled segment. Every storage rebuilt over the segment
+    refers to it; when the last goes, the segment goes back to its worker (its flag).
+
+    Only in the process that received the batch: a worker forked later holds a copy of the
+    lease (of everything this process held), and that copy going away at the worker's exit
+    must not give back a segment whose batch this process still holds.
+    """
+
+    __slots__ = ("pid", "seg")
+
+    def __init__(self, seg: _Mapping) -> None:
+        self.seg = seg
+        self.pid = os.getpid()
+
+    def __del__(self) -> None:
+        if os.getpid() == self.pid:
+            self.seg.flag.value = 0
+
+
+def _rebuild_pooled(off: int, nbytes: int) -> torch.UntypedStorage:
+    lease = _tls.lease
+    buf = (ctypes.c_uint8 * nbytes).from_address(lease.seg.addr + off)
+    buf._lease = lease  # type: ignore[attr-defined]  # the storage holds buf, buf the lease
+    return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
 
 class _Outbox:
@@ -280,6 +538,10 @@ class _Outbox:
         "lent",
         "packed",
         "policy",
+        "pool",
+        "pool_seg",
+        "pool_sent",
+        "pooled_bytes",
         "shared_bytes",
         "shm",
         "slot_of",
@@ -302,6 +564,11 @@ class _Outbox:
         # The packed segment: it owns the fd in ``fds`` until the message is sent.
         self.keep: torch.UntypedStorage | None = None
         self.packed = False  # whether storages were packed into one segment
+        # The worker's segment pool, and its segment this message lends (None: none).
+        self.pool = policy.pool if policy is not None else None
+        self.pool_seg: _Segment | None = None
+        self.pooled_bytes = 0
+        self.pool_sent: tuple[bool, int] = (False, 0)  # see ``_pool_info``
 
     def unsent(self) -> None:
         """The message did not reach the receiver: return the references taken for it, or
@@ -321,6 +588,12 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     nbytes = storage.nbytes()
     if nbytes == 0:
         return (_rebuild_empty_storage, ())
+    if out.pool is not None:
+        off = out.pool.where(storage)
+        if off >= 0:  # collated into the pooled segment: it travels as it lies
+            out.pool_seg = out.pool.target
+            out.pooled_bytes += nbytes
+            return (_rebuild_pooled, (off, nbytes))
     if nbytes <= INLINE_MAX:
         return (_rebuild_bytes_storage, (_byte_view(storage).tobytes(),))
     # Already in shared memory (a collate in a worker allocates there): sharing allocates
@@ -404,9 +677,26 @@ def _rebuild_slot(index: int) -> torch.UntypedStorage:
     return _tls.slots[index]
 
 
+def _pool_info(out: _Outbox) -> Any:
+    """What the main process must learn about the worker's pool with this message (None:
+    nothing): ``(the segment id this message lends or -1, (fd index, size) of that segment if
+    it is new to the main process, ids retired)``."""
+    pool, seg = out.pool, out.pool_seg
+    if pool is None or (seg is None and not pool.retired):
+        return None
+    new = None
+    if seg is not None and not seg.announced:
+        out.fds.append(seg.storage._share_fd_cpu_()[0])  # (owned by the segment's storage)
+        new = (len(out.fds) - 1, seg.size)
+    out.pool_sent = (new is not None, len(pool.retired))
+    return (seg.id if seg is not None else -1, new, list(pool.retired))
+
+
 def _unpack(table: Any) -> list[torch.UntypedStorage]:
     """Main side: the storages of a message's slots, from its slot table (see ``_place``)."""
-    pack_reduced, entries = table
+    pack_reduced, entries, pool_info = table
+    if pool_info is not None:
+        _tls.receiver._pool_update(pool_info)
     whole = None
     if pack_reduced is not None:
         fn, args = pack_reduced
@@ -463,9 +753,12 @@ def dumps(
         pickler.clear_memo()
         del pickler
     body_len = buf.tell()
-    if out.slots:
+    pool_info = _pool_info(out)
+    if out.slots or pool_info is not None:
+        table: Any = (None, [])
         try:
-            table = _place(out)
+            if out.slots:
+                table = _place(out)
         except (RuntimeError, OSError) as exc:
             out.unsent()  # (storages already lent under file_system)
             out.slots = []
@@ -479,7 +772,7 @@ def dumps(
             again.fallback_bytes += out.fallback_bytes
             return payload, body_len, fds, again
         out.slots = []  # the table refers to what is needed now
-        ForkingPickler(buf, 5).dump(table)
+        ForkingPickler(buf, 5).dump((*table, pool_info))
     return buf.getvalue(), body_len, out.fds, out
 
 
@@ -489,12 +782,23 @@ def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bo
     ``policy``/``shm``: see ``ShmPolicy`` and ``dumps``.
     """
     payload, body_len, fds, out = dumps(obj, policy, shm)
+    pool, seg = out.pool, out.pool_seg
+    if seg is not None:
+        # Lent before a byte goes out: the main process may give it back as soon as it has it.
+        seg.flag[0] = 1
     try:
         _send_frame(sock, payload, body_len, fds)
     except BaseException:
         out.unsent()  # a message cut short is discarded whole by the receiver
+        if seg is not None:
+            seg.flag[0] = 0
         raise
     out.lent = []
+    if pool is not None:
+        seg_sent, retired = out.pool_sent
+        if seg_sent:
+            seg.announced = True  # type: ignore[union-attr]
+        del pool.retired[:retired]
     if policy is not None:
         policy.sent(out)
 
@@ -543,9 +847,27 @@ class Receiver:
         self._fds: list[int] = []
         self.eof = False  # the sender has closed its end (exited or was killed)
         self.received = 0  # bytes read so far: progress, even before a message is whole
+        # The sender's pooled segments, each mapped here once (see ``SegmentPool``).
+        self._pool_segs: dict[int, _Mapping] = {}
 
     def fileno(self) -> int:
         return self.fd
+
+    def _pool_update(self, info: Any) -> None:
+        """A message's news of the sender's pool (see ``_pool_info``); the lease of the
+        segment it lends goes to ``_tls.lease`` for its storages."""
+        sid, new, retired = info
+        for old in retired:
+            self._pool_segs.pop(old, None)  # unmapped once no batch in it is held
+        if new is not None:
+            index, size = new
+            _tls.used.add(index)
+            try:
+                self._pool_segs[sid] = _Mapping(_tls.fds[index], size)
+            finally:
+                os.close(_tls.fds[index])
+        if sid >= 0:
+            _tls.lease = _Lease(self._pool_segs[sid])
 
     def _take_fds(self, anc: list[tuple[int, int, bytes]]) -> None:
         for level, kind, blob in anc:
@@ -629,7 +951,7 @@ class Receiver:
                 return out
 
     def _decode(self, payload: bytes | bytearray, body_len: int, fds: list[int]) -> Any:
-        _tls.fds, _tls.used, _tls.fallback = fds, set(), []
+        _tls.fds, _tls.used, _tls.fallback, _tls.receiver = fds, set(), [], self
         try:
             with memoryview(payload) as view:
                 if body_len < len(payload):
@@ -645,7 +967,7 @@ class Receiver:
                 raise FdLimitError(fd_limit_text("mapping a received batch")) from exc
             raise
         finally:
-            _tls.slots = None
+            _tls.slots = _tls.lease = _tls.receiver = None
             for i, fd in enumerate(fds):
                 if i not in _tls.used:
                     try:
@@ -676,6 +998,8 @@ class Receiver:
                 pass
         self._fds = []
         self._buf.clear()
+        # Batches still held keep their segments mapped through their leases.
+        self._pool_segs.clear()
         self.sock.close()
 
 

@@ -209,7 +209,8 @@ def _collate(collate: Any, data: Any, shared: bool) -> Any:
     built in ordinary memory, to be copied into the message.
     """
     if shared:
-        return collate(data)
+        with _transport.collating():  # into the worker's pooled segment, when it has one
+            return collate(data)
     from torch.utils.data._utils import worker as torch_worker
 
     info = torch_worker._worker_info
@@ -546,6 +547,7 @@ class WorkerSpec:
         self.init_fn: Any = kw["init_fn"]
         self.retry: Any = kw["retry"]
         self.state_every: int | None = kw.get("state_every")
+        self.prefetch_factor: int = kw.get("prefetch_factor", 2)
         self.close_fds: list[int] = kw.get("close_fds", [])
         # The main process (under forkserver the worker's parent is the fork server).
         self.main_pid: int = kw.get("main_pid", 0)
@@ -778,7 +780,9 @@ class _WorkerLoop:
         from torch.utils.data import default_collate, default_convert
 
         self.custom_collate = spec.collate_fn not in (default_collate, default_convert)
-        self.shm = _transport.ShmPolicy()
+        # Pooled segments: the worker's share of the prefetch window, and the batch the
+        # caller holds (see _transport.SegmentPool).
+        self.shm = _transport.ShmPolicy(spec.prefetch_factor + 1)
         self.shm_ok = True  # the batch being built may use /dev/shm (ShmPolicy.allow)
         self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
         self.arrivals = 0
@@ -856,7 +860,8 @@ class _WorkerLoop:
         self.shm_ok = shm.allow()
         # A batch that will be packed into one segment is collated out of /dev/shm: its
         # storages are copied into the segment anyway (see _transport._place).
-        fetcher.shared = self.shm_ok and not shm.packing
+        # A pooled segment takes them all as they lie.
+        fetcher.shared = self.shm_ok and (shm.pooled or not shm.packing)
         if spec.iterable:
             fetcher.guard_collate = self.custom_collate and fetcher.shared and shm.large
         gen = self.gen
