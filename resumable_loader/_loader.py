@@ -301,9 +301,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if self._plan.kind == DISTRIBUTED:
             self._seed = self._distributed_epoch(rp)
         else:
-            self._seed = (
-                rp.seed if rp is not None and rp.seed is not None else self._chain.next_seed()
-            )
+            if rp is not None and rp.seed is not None:
+                self._seed = rp.seed
+                self._chain.look()  # this iter() looked too: a reseed is one after it
+            else:
+                self._seed = self._chain.next_seed()
         old = self._active()
         if old is not None and self.persistent_workers and old.is_open:
             old.abandon(

@@ -325,9 +325,10 @@ class SeedChain:
         self._before: dict[str, Any] | None = None
         if generator is None and rooted:
             self._root = draw_base_seed(None)
-            self._look()
+            self.look()
 
-    def _look(self) -> None:
+    def look(self) -> None:
+        """Note the global RNG as it is now (a later reseed is told apart from it)."""
         self._seen_state = torch.random.default_generator.get_state()
 
     def _reseeded(self) -> bool:
@@ -352,7 +353,7 @@ class SeedChain:
             self._before = self.state()
         seed = derive_seed(CHAIN, self._root, self._next)
         self._next += 1
-        self._look()
+        self.look()
         return seed
 
     def state(self) -> dict[str, Any]:
@@ -361,7 +362,7 @@ class SeedChain:
             return {CHAIN_GENERATOR: encode_generator(self.generator)}
         if self._root is None:
             self._root = draw_base_seed(None)
-            self._look()
+            self.look()
         return {CHAIN_ROOT: self._root, CHAIN_NEXT: self._next}
 
     def state_before(self) -> dict[str, Any]:
@@ -381,7 +382,7 @@ class SeedChain:
             self.generator = None  # the saved job's chain, not this loader's generator
             self._root, self._next = state[CHAIN_ROOT], state[CHAIN_NEXT]
         self._before = None
-        self._look()
+        self.look()
 
 
 def encode_generator(gen: torch.Generator) -> str:

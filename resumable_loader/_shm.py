@@ -58,8 +58,13 @@ def _new_using_fd_cpu(cls: Any, size: int) -> torch.UntypedStorage:
 def use_anonymous_shared_memory() -> bool:
     """In a worker process: make torch's fd-based shared allocation (the default strategy's,
     used by ``default_collate`` in workers and by our transport) anonymous. Returns whether it
-    could (``memfd_create`` exists on Linux >= 3.17; elsewhere torch's own stays)."""
+    did: not under the ``file_system`` strategy (named on purpose), nor where ``memfd_create``
+    is missing (Linux < 3.17): torch's own allocator stays there."""
     if not hasattr(os, "memfd_create"):
+        return False
+    if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+        # file_system: the user chose named segments, counted by torch's shm manager (which
+        # removes them when the job ends), so that batches can be passed on by name.
         return False
     try:
         new_anonymous_shared(64)

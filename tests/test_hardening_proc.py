@@ -72,6 +72,10 @@ def _consume(queue, out) -> None:
         out.close()
 
 
+# Under file_system a SIGKILLed worker's named segments (its pooled ones) stay until torch's
+# shm manager removes them when the job ends (docs/recovery.md): not a leak of ours, so the
+# /dev/shm part of the leak check is off here; the test joins its own processes.
+@pytest.mark.allow_leaks
 def test_a_batch_passed_on_under_file_system_survives_its_workers_death(shm_manager) -> None:
     ref = [b.numpy().tobytes() for b in DataLoader(Big(), batch_size=4)]
     ctx = multiprocessing.get_context("fork")

@@ -271,11 +271,13 @@ ERRORS = {
 
 
 def _children() -> list[psutil.Process]:
-    # psutil also lists multiprocessing's fork server / resource tracker: not ours
+    # psutil also lists multiprocessing's fork server / resource tracker, and torch's shm
+    # manager once a test used the file_system strategy: long-lived helpers, not ours
+    helpers = ("forkserver", "resource_tracker", "torch_shm_manager")
     return [
         c
         for c in psutil.Process().children()
-        if not any(h in " ".join(c.cmdline()) for h in ("forkserver", "resource_tracker"))
+        if not any(h in " ".join(c.cmdline()) for h in helpers)
     ]
 
 

@@ -167,8 +167,8 @@ def _live_children() -> list[str]:
             continue
         except psutil.NoSuchProcess:
             continue
-        if "forkserver" in cmd or "resource_tracker" in cmd:
-            continue
+        if "forkserver" in cmd or "resource_tracker" in cmd or "torch_shm_manager" in cmd:
+            continue  # long-lived helpers of multiprocessing and torch, not ours
         out.append(f"{child.pid} ({cmd[:80]})")
     return out
 

@@ -17,6 +17,8 @@ from .._codec import dump_state, load_state
 from .._distributed import merge_rank_states
 from .._errors import CheckpointError
 from .._loader import DataLoader
+from .._samplers import BatchSampler as OurBatchSampler
+from .._samplers import RandomSampler as OurRandomSampler
 
 
 def _loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
@@ -113,7 +115,7 @@ def shard(
         )
     sampler = loader.sampler
     batched = loader.batch_size is not None
-    if batched and type(loader.batch_sampler) is not BatchSampler:
+    if batched and type(loader.batch_sampler) not in (BatchSampler, OurBatchSampler):
         if world > 1:
             raise ValueError(
                 f"cannot share a batch_sampler of type {type(loader.batch_sampler).__name__} "
@@ -130,8 +132,9 @@ def shard(
                 f"{sampler.num_replicas}, but this is rank {rank} of {world} processes"
             )
         dsampler = sampler
-    elif type(sampler) in (RandomSampler, SequentialSampler):
-        shuffle = type(sampler) is RandomSampler
+    elif type(sampler) in (RandomSampler, OurRandomSampler, SequentialSampler):
+        # (ours: what shuffle=True hands out, carrying the loader's seed chain)
+        shuffle = type(sampler) is not SequentialSampler
         if shuffle and (sampler.replacement or sampler._num_samples is not None):  # type: ignore[attr-defined]
             raise ValueError(
                 "cannot share a RandomSampler with replacement=True or num_samples over "
