@@ -45,6 +45,7 @@ Samplers and callables:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -388,3 +389,14 @@ def loader_state(**overrides: Any) -> dict[str, Any]:
     }
     state.update(overrides)
     return state
+
+
+@contextlib.contextmanager
+def sharing_strategy(name: str) -> Iterator[None]:
+    """torch.multiprocessing's sharing strategy set to ``name`` for the block, then restored."""
+    old = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(name)
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(old)

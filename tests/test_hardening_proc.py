@@ -22,10 +22,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
+from _datasets import sharing_strategy
 
 from resumable_loader import DataLoader
 
@@ -42,16 +42,6 @@ class Big(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.arange(16384, dtype=torch.float32) + 1000 * i
-
-
-@contextlib.contextmanager
-def sharing_strategy(name: str) -> Iterator[None]:
-    old = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy(name)
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(old)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 import torch
+from _datasets import sharing_strategy
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 from resumable_loader import DataLoader, RetryPolicy, _transport
@@ -169,16 +170,6 @@ def shm_segments(pid: int) -> set[tuple[str, str]]:
     except (FileNotFoundError, ProcessLookupError):
         pass  # a worker that just died maps nothing
     return out
-
-
-@contextlib.contextmanager
-def sharing_strategy(name: str) -> Iterator[None]:
-    old = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy(name)
-    try:
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(old)
 
 
 @contextlib.contextmanager
