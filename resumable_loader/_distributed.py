@@ -150,6 +150,9 @@ def recut(points: list[Any], plan: Any) -> Any:
             "step all ranks reached."
         )
     skipped = sorted({tuple(map(repr, x)): x for p in points for x in p.skipped}.values())
+    # What every rank holds alike: a Mixture's plan and the skips (skip_samples writes each
+    # into every rank's state). Without the plan a Mixture job could not resume re-cut.
+    common = {"plan": points[0].plan, "skipped_samples": points[0].skipped_samples}
     if not started and not done:
         # The epoch had not begun anywhere: a plain start, with the sampler's epoch.
         return ResumePoint(
@@ -158,6 +161,7 @@ def recut(points: list[Any], plan: Any) -> Any:
             distributed=True,
             sampler_epoch=points[0].sampler_epoch,
             skipped=skipped,
+            **common,
         )
     ref = (started or within)[0]
     if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
@@ -180,6 +184,7 @@ def recut(points: list[Any], plan: Any) -> Any:
         sampler_epoch=ref.sampler_epoch,
         history=history,
         skipped=skipped,
+        **common,
     )
 
 

@@ -343,3 +343,31 @@ def test_a_mixture_resumed_with_another_batch_size_and_weights() -> None:
     ref.set_weights({"a": 5, "b": 1}, from_position=8)
     assert before + after == [ref[p] for p in range(18)]
     assert before == [mix({"a": 1, "b": 1})[p] for p in range(8)]
+
+
+def test_a_mixture_under_a_distributed_sampler_recuts_with_its_plan() -> None:
+    """The global state's re-cut carries the Mixture's plan (it was dropped: 'data_plan:
+    missing'), so a Mixture job resumes on another world size and batch size."""
+
+    def mix() -> Mixture:
+        # 16 positions: 2 ranks take 4, and 3 ranks share the 12 left without padding.
+        sources = {"a": _Tagged("a", 11), "b": _Tagged("b", 7)}
+        return Mixture(sources, {"a": 2, "b": 1}, seed=4, num_samples=16)
+
+    def ranks(world: int, b: int) -> list[DataLoader]:
+        m = mix()
+        return [
+            DataLoader(m, batch_size=b, sampler=DistributedSampler(m, world, r, shuffle=True))
+            for r in range(world)
+        ]
+
+    job = ranks(2, 2)
+    its = [iter(x) for x in job]
+    before = [v for it in its for v in next(it)]
+    state = merge_rank_states([x.state_dict() for x in job])
+    after = []
+    for loader in ranks(3, 3):
+        loader.load_state_dict(state)
+        after += [v for batch in loader for v in batch]
+    ref = mix()
+    assert sorted(before + after) == sorted(ref[p] for p in range(16))
