@@ -124,6 +124,31 @@ def _positions(ref: list[list[Any]], before_stop: bool) -> list[tuple[int, int, 
     return out if before_stop else [p for p in out if not (p[1] == len(ref[p[0]]) and not p[2])]
 
 
+def _assert_same_epochs(
+    got: list[list[Any]], ref: list[list[Any]], in_order: bool, where: str
+) -> None:
+    for epoch in range(len(ref)):
+        if in_order:
+            if got[epoch] != ref[epoch]:
+                k = next(
+                    (k for k, (a, b) in enumerate(zip(got[epoch], ref[epoch])) if a != b),
+                    min(len(got[epoch]), len(ref[epoch])),
+                )
+                raise AssertionError(
+                    f"{where}: epoch {epoch} differs from the uninterrupted run at batch "
+                    f"{k}: got {len(got[epoch])} batches, expected {len(ref[epoch])}; "
+                    f"got {got[epoch][k : k + 1]!r:.300} "
+                    f"expected {ref[epoch][k : k + 1]!r:.300}"
+                )
+        else:
+            a, b = Counter(map(repr, got[epoch])), Counter(map(repr, ref[epoch]))
+            if a != b:
+                raise AssertionError(
+                    f"{where}: epoch {epoch} holds other batches than the uninterrupted run: "
+                    f"missing {sum((b - a).values())}, extra {sum((a - b).values())}"
+                )
+
+
 def check_resume(
     make_loader: Callable[[], Any],
     *,
@@ -141,13 +166,16 @@ def check_resume(
     ``num_workers``, ``generator`` and the like: the state carries the seed chain, so every
     later epoch is the saved job's.
 
-    The reference is one uninterrupted run of ``epochs`` epochs. For each save point -- every
-    batch of every epoch, after the last batch but before StopIteration, and after
-    StopIteration -- a loader consumes up to that point, its ``state_dict()`` goes through
-    ``via`` (see ``roundtrip_state``), a new loader (``make_resumed()``, default
-    ``make_loader()``) loads it and runs the rest of the ``epochs`` epochs. The batches must
-    equal the reference's; with ``in_order=False`` each epoch must hold the same batches as the
-    reference's, each exactly once.
+    The reference is one uninterrupted run of ``epochs`` epochs. A second run takes a
+    ``state_dict()`` at each chosen save point -- every batch of every epoch, after the last
+    batch but before StopIteration, and after StopIteration -- while it goes on iterating, as a
+    job that checkpoints every step does; its own batches must equal the reference's, and each
+    state must still be what it was when taken once the run has gone on past it (a state that
+    changes afterwards would be wrong in a checkpoint written asynchronously). Each state then
+    goes through ``via`` (see ``roundtrip_state``), a new loader (``make_resumed()``, default
+    ``make_loader()``) loads it and runs the rest of the ``epochs`` epochs. The batches
+    before the save point and after it must equal the reference's; with ``in_order=False`` each
+    epoch must hold the same batches as the reference's, each exactly once.
 
     Args:
         steps: only check these indices into the list of save points (default: all); indices
@@ -159,33 +187,59 @@ def check_resume(
     Raises:
         AssertionError: naming the save point, and the first differing batch.
     """
+    import copy
+
     ref = reference if reference is not None else reference_stream(make_loader, epochs)
     points = _positions(ref, before_stop=True)
     chosen = range(len(points)) if steps is None else [i for i in steps if 0 <= i < len(points)]
     make_resumed = make_resumed or make_loader
+    wanted = {points[i]: i for i in chosen}
+    # One run through every epoch: the batches it consumed, and the states taken on the way.
+    run: list[list[Any]] = [[] for _ in range(epochs)]
+    taken: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+
+    def take(point: tuple[int, int, bool]) -> None:
+        if point in wanted:
+            sd = first.state_dict()
+            taken[wanted[point]] = (sd, copy.deepcopy(sd))
+
+    first = make_loader()
+    try:
+        for epoch in range(epochs):
+            it = iter(first)
+            take((epoch, 0, False))
+            for j in range(1, len(ref[epoch]) + 1):
+                try:
+                    run[epoch].append(canonical(next(it)))
+                except StopIteration:
+                    raise AssertionError(
+                        f"epoch {epoch} ended after {j - 1} batches, the reference's after "
+                        f"{len(ref[epoch])}"
+                    ) from None
+                take((epoch, j, False))
+            try:
+                extra = next(it)
+            except StopIteration:
+                pass
+            else:
+                raise AssertionError(
+                    f"epoch {epoch} yielded more batches than the reference: "
+                    f"{canonical(extra)!r:.200}"
+                )
+            take((epoch, len(ref[epoch]), True))
+    finally:
+        first.close()
+    _assert_same_epochs(run, ref, in_order, "the run that took the states")
     for i in chosen:
         e, j, after_stop = points[i]
-        first = make_loader()
-        got: list[list[Any]] = [[] for _ in range(epochs)]
-        try:
-            for epoch in range(e + 1):
-                it = iter(first)
-                stop_at = len(ref[epoch]) if epoch < e else j
-                for _ in range(stop_at):
-                    got[epoch].append(canonical(next(it)))
-                if epoch < e or after_stop:
-                    try:
-                        extra = next(it)
-                    except StopIteration:
-                        pass
-                    else:
-                        raise AssertionError(
-                            f"epoch {epoch} yielded more batches than the reference: "
-                            f"{canonical(extra)!r:.200}"
-                        )
-            sd = roundtrip_state(first.state_dict(), via)
-        finally:
-            first.close()
+        stop = ", after StopIteration" if after_stop else ""
+        where = f"save point {i} (epoch {e}, after {j} batches{stop}, via {via})"
+        sd, as_taken = taken[i]
+        if not same_state(sd, as_taken):
+            raise AssertionError(f"{where}: the state changed after state_dict() returned it")
+        sd = roundtrip_state(sd, via)
+        got = [list(run[epoch]) if epoch < e else [] for epoch in range(epochs)]
+        got[e] = list(run[e][:j])
         second = make_resumed()
         try:
             second.load_state_dict(sd)
@@ -202,28 +256,7 @@ def check_resume(
                 got[epoch].extend(canonical(b) for b in second)
         finally:
             second.close()
-        stop = ", after StopIteration" if after_stop else ""
-        where = f"save point {i} (epoch {e}, after {j} batches{stop}, via {via})"
-        for epoch in range(epochs):
-            if in_order:
-                if got[epoch] != ref[epoch]:
-                    k = next(
-                        (k for k, (a, b) in enumerate(zip(got[epoch], ref[epoch])) if a != b),
-                        min(len(got[epoch]), len(ref[epoch])),
-                    )
-                    raise AssertionError(
-                        f"{where}: epoch {epoch} differs from the uninterrupted run at batch "
-                        f"{k}: got {len(got[epoch])} batches, expected {len(ref[epoch])}; "
-                        f"got {got[epoch][k : k + 1]!r:.300} "
-                        f"expected {ref[epoch][k : k + 1]!r:.300}"
-                    )
-            else:
-                a, b = Counter(map(repr, got[epoch])), Counter(map(repr, ref[epoch]))
-                if a != b:
-                    raise AssertionError(
-                        f"{where}: epoch {epoch} holds other batches than the uninterrupted run: "
-                        f"missing {sum((b - a).values())}, extra {sum((a - b).values())}"
-                    )
+        _assert_same_epochs(got, ref, in_order, where)
     return len(chosen)
 
 
