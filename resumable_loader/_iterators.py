@@ -353,6 +353,7 @@ class SingleProcessIter(BaseIter):
         # The retry re-seeds with the task being fetched: read from ``p``, not ``self``,
         # so that the iterator forms no reference cycle with its own retrier.
         self._run = make_retrier(setup.retry, lambda: seed_global_rngs(p.seed))
+        self._once = setup.retry is None  # no RetryPolicy: fetch directly, not through _run
         self._fetcher = MapFetcher(setup.dataset, setup.auto_collation, setup.collate_fn)
         self._fetcher.sample_seed = setup.sample_seed
         if self._stateful_sampler and rp is not None:
@@ -398,7 +399,10 @@ class SingleProcessIter(BaseIter):
         p.seed = self._task_seed(tid)
         try:
             with self._rngs.seeded(p.seed):
-                data, retries = self._run(self._fetcher.fetch, indices)
+                if self._once:
+                    data, retries = self._fetcher.fetch(indices), 0
+                else:
+                    data, retries = self._run(self._fetcher.fetch, indices)
         except BaseException as exc:
             # A batch whose load raised is consumed, as with torch -- unless it was an
             # interrupt: not delivered, so not consumed, and a resume loads it again.

@@ -94,18 +94,23 @@ def seed_global_rngs(seed: int, *, keep_initial_seed: bool = True) -> None:
     np.random.seed(seed & 0xFFFFFFFF)
     gen = torch.random.default_generator
     if keep_initial_seed and _seed_field_ok():
-        reported = gen.initial_seed()
-        tmpl = _template()
-        tmpl.manual_seed(seed)
-        state = tmpl.get_state()
-        # 8 bytes written in place: a tensor slice assignment costs several microseconds.
-        _memmove(state.data_ptr(), _U64.pack(reported), 8)
-        gen.set_state(state)
+        _seed_torch_keeping(gen, seed, _U64.pack(gen.initial_seed()))
     else:
         gen.manual_seed(seed)
 
 
 _U64 = struct.Struct("<Q")
+
+
+def _seed_torch_keeping(gen: torch.Generator, seed: int, seed_field: bytes | int) -> None:
+    """``gen`` seeded with ``seed``, its seed field (the state's first 8 bytes, see
+    ``_seed_field_ok``) set to the 8 bytes at ``seed_field`` (bytes, or an address)."""
+    tmpl = _template()
+    tmpl.manual_seed(seed)
+    state = tmpl.get_state()
+    # 8 bytes written in place: a tensor slice assignment costs more than all the rest.
+    _memmove(state.data_ptr(), seed_field, 8)
+    gen.set_state(state)
 
 
 _tmpl: torch.Generator | None = None
@@ -351,8 +356,22 @@ class FetchRngs:
             _memmove(gauss_saved, self._gauss_at, _GAUSS_BYTES)
         else:
             self._np_full = np.random.get_state()
-        self._torch = torch.random.default_generator.get_state()
-        seed_global_rngs(self._seed)
+        # What seed_global_rngs(seed) does, with what is known here: numpy's generator is
+        # the RandomState looked up above, and the caller's seed field of torch's state is the
+        # first 8 bytes of the state just saved.
+        gen = torch.random.default_generator
+        self._torch = saved = gen.get_state()
+        seed = self._seed
+        _py_seed(inst, seed)
+        inst.gauss_next = None
+        if self._np_at:
+            rand.seed(seed & 0xFFFFFFFF)
+        else:
+            np.random.seed(seed & 0xFFFFFFFF)
+        if _seed_field_ok():
+            _seed_torch_keeping(gen, seed, saved.data_ptr())
+        else:
+            gen.manual_seed(seed)
         return self
 
     def __exit__(self, *exc: object) -> None:
