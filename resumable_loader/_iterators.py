@@ -33,7 +33,15 @@ from ._protocol import Delivery, Result, StreamResume
 from ._recovery import SKIPPED, Recovery
 from ._reorder import ReorderBuffer
 from ._sampling import ITERABLE, STATEFUL, IndexPlan
-from ._seeding import STREAM, TASK, FetchRngs, GlobalRngGuard, derive_seed, seed_global_rngs
+from ._seeding import (
+    STREAM,
+    TASK,
+    FetchRngs,
+    GlobalRngGuard,
+    derive_seed,
+    seed_global_rngs,
+    seeds_of,
+)
 from ._stats import Counters
 from ._supervisor import Arrived, DeathReport, Supervisor, WorkerSlot
 from ._tasks import MapTasks, StreamTasks, TaskSource
@@ -288,6 +296,10 @@ class SingleProcessIter(BaseIter):
         self._skip = set(p.ahead)
         self._owed: list[tuple[int, Any]] = []
         self._rngs = FetchRngs()  # each fetch under its seed, the caller's RNGs kept apart
+        # derive_seed(TASK, base, tid) and derive_seed(STREAM, base, 0, k), the fixed part
+        # hashed once for the epoch.
+        self._task_seed = seeds_of(TASK, self._base)
+        self._fetch_seed = seeds_of(STREAM, self._base, 0)
         # Set when an interrupt cut a stream fetch short: the stream then stands past items
         # never delivered, so its own state no longer matches the position, and a resume
         # replays the delivered fetches instead (seeded, hence exact).
@@ -341,6 +353,7 @@ class SingleProcessIter(BaseIter):
         # The retry re-seeds with the task being fetched: read from ``p``, not ``self``,
         # so that the iterator forms no reference cycle with its own retrier.
         self._run = make_retrier(setup.retry, lambda: seed_global_rngs(p.seed))
+        self._once = setup.retry is None  # no RetryPolicy: fetch directly, not through _run
         self._fetcher = MapFetcher(setup.dataset, setup.auto_collation, setup.collate_fn)
         self._fetcher.sample_seed = setup.sample_seed
         if self._stateful_sampler and rp is not None:
@@ -383,10 +396,13 @@ class SingleProcessIter(BaseIter):
             break
         if self._stateful_sampler:
             p.drawn[tid] = indices
-        p.seed = derive_seed(TASK, self._base, tid)
+        p.seed = self._task_seed(tid)
         try:
             with self._rngs.seeded(p.seed):
-                data, retries = self._run(self._fetcher.fetch, indices)
+                if self._once:
+                    data, retries = self._fetcher.fetch(indices), 0
+                else:
+                    data, retries = self._run(self._fetcher.fetch, indices)
         except BaseException as exc:
             # A batch whose load raised is consumed, as with torch -- unless it was an
             # interrupt: not delivered, so not consumed, and a resume loads it again.
@@ -413,7 +429,7 @@ class SingleProcessIter(BaseIter):
         if p.exhausted:
             self._finish()
             raise StopIteration
-        seed = derive_seed(STREAM, self._base, 0, p.k)
+        seed = self._fetch_seed(p.k)
         try:
             with self._rngs.seeded(seed):
                 data, retries = self._run(self._fetcher.fetch)

@@ -19,11 +19,13 @@ which worker ran it, whether that worker was respawned, or how many workers ther
 
 from __future__ import annotations
 
+import _random
 import base64
 import ctypes
 import hashlib
 import random
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,13 +40,41 @@ SAMPLE = 6  # a sample's own seed (seed_per_sample)
 
 _MASK64 = (1 << 64) - 1
 _PERSON = b"resumable-loader"  # domain separation from any other blake2b use
+# The C seeding under ``random.Random.seed`` (``random.seed`` of an int is this, then
+# ``gauss_next = None``).
+_py_seed = _random.Random.seed
+
+
+# The packing of (domain, *parts) by number of parts: a format string built per call costs
+# about as much as the hash (derive_seed runs once per batch, in the main process with
+# num_workers=0).
+_PACKERS: dict[int, Any] = {}
 
 
 def derive_seed(domain: int, *parts: int) -> int:
     """A 63-bit seed from ``domain`` and ``parts`` (a keyed hash: no structure survives)."""
-    packed = struct.pack(f"<{len(parts) + 1}Q", domain, *(p & _MASK64 for p in parts))
+    pack = _PACKERS.get(len(parts))
+    if pack is None:
+        pack = _PACKERS[len(parts)] = struct.Struct(f"<{len(parts) + 1}Q").pack
+    packed = pack(domain, *[p & _MASK64 for p in parts])
     digest = hashlib.blake2b(packed, digest_size=8, person=_PERSON).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def seeds_of(domain: int, *prefix: int) -> Callable[[int], int]:
+    """``last -> derive_seed(domain, *prefix, last)``, with the fixed part hashed once (blake2b
+    hashes bytes given in pieces as it hashes them whole): half the cost of a task's seed,
+    which the main process derives once per batch with ``num_workers=0``."""
+    head = hashlib.blake2b(digest_size=8, person=_PERSON)
+    head.update(struct.pack(f"<{len(prefix) + 1}Q", domain, *[p & _MASK64 for p in prefix]))
+    pack = _U64.pack
+
+    def seed(last: int) -> int:
+        h = head.copy()
+        h.update(pack(last & _MASK64))
+        return int.from_bytes(h.digest(), "little") >> 1
+
+    return seed
 
 
 def seed_global_rngs(seed: int, *, keep_initial_seed: bool = True) -> None:
@@ -57,18 +87,30 @@ def seed_global_rngs(seed: int, *, keep_initial_seed: bool = True) -> None:
     ``worker_init_fn`` set, or the worker's own). The generator's state and the seed it reports
     are separate fields of that state, so both can hold.
     """
-    random.seed(seed)
+    inst: Any = random._inst
+    # What random.seed(seed) does for an int, without its checks for str and bytes seeds.
+    _py_seed(inst, seed)
+    inst.gauss_next = None
     np.random.seed(seed & 0xFFFFFFFF)
     gen = torch.random.default_generator
     if keep_initial_seed and _seed_field_ok():
-        reported = gen.initial_seed()
-        tmpl = _template()
-        tmpl.manual_seed(seed)
-        state = tmpl.get_state()
-        state[:8] = torch.frombuffer(bytearray(struct.pack("<Q", reported)), dtype=torch.uint8)
-        gen.set_state(state)
+        _seed_torch_keeping(gen, seed, _U64.pack(gen.initial_seed()))
     else:
         gen.manual_seed(seed)
+
+
+_U64 = struct.Struct("<Q")
+
+
+def _seed_torch_keeping(gen: torch.Generator, seed: int, seed_field: bytes | int) -> None:
+    """``gen`` seeded with ``seed``, its seed field (the state's first 8 bytes, see
+    ``_seed_field_ok``) set to the 8 bytes at ``seed_field`` (bytes, or an address)."""
+    tmpl = _template()
+    tmpl.manual_seed(seed)
+    state = tmpl.get_state()
+    # 8 bytes written in place: a tensor slice assignment costs more than all the rest.
+    _memmove(state.data_ptr(), seed_field, 8)
+    gen.set_state(state)
 
 
 _tmpl: torch.Generator | None = None
@@ -191,13 +233,49 @@ def _np_state_ok() -> bool:
         return False
 
 
-_layouts: tuple[int | None, bool] | None = None
+def _np_gauss_offset() -> int | None:
+    """Where numpy's legacy ``RandomState`` object keeps its cached gaussian -- an int flag
+    (``has_gauss``), then the double -- if the layout checks out: found on a private instance
+    by the value ``get_state`` reports, then written through and read back with ``get_state``
+    and a draw. The flag, its padding and the double are copied as ``_GAUSS_BYTES`` bytes."""
+    try:
+        a: Any = np.random.RandomState(12345)
+        a.randn()  # one gaussian drawn, its pair cached
+        _, _, _, has, cached = a.get_state()
+        size = type(a).__basicsize__
+        mem = ctypes.string_at(id(a), size)
+        needle = struct.pack("=d", cached)
+        at = mem.find(needle)
+        off = at - 8
+        if has != 1 or at < 0 or mem.count(needle) != 1 or at % 8 or off < object.__basicsize__:
+            return None
+        if struct.unpack_from("=i", mem, off)[0] != 1:
+            return None
+        b: Any = np.random.RandomState(678)  # none cached
+        _memmove(id(b) + off, id(a) + off, _GAUSS_BYTES)
+        if b.get_state()[3:] != (1, cached) or b.randn() != cached:
+            return None
+        c: Any = np.random.RandomState(9)
+        a.randn()  # the cached one: none left
+        _memmove(id(c) + off, id(b) + off, _GAUSS_BYTES)  # b has none left either
+        if c.get_state()[3] != 0 or a.get_state()[3] != 0:
+            return None
+    except Exception:
+        return None
+    return off
 
 
-def _raw_layouts() -> tuple[int | None, bool]:
+_GAUSS_BYTES = 16  # int has_gauss, 4 bytes of padding, double gauss
+
+# (python's MT state offset, numpy's MT layout ok, numpy's cached gaussian offset)
+_layouts: tuple[int | None, bool, int | None] | None = None
+
+
+def _raw_layouts() -> tuple[int | None, bool, int | None]:
     global _layouts
     if _layouts is None:
-        _layouts = (_py_state_offset(), _np_state_ok())
+        np_ok = _np_state_ok()
+        _layouts = (_py_state_offset(), np_ok, _np_gauss_offset() if np_ok else None)
     return _layouts
 
 
@@ -208,73 +286,109 @@ class FetchRngs:
     Data loading in the main process must not disturb the user's own random streams (dropout,
     their sampling); torch's loader lets them interleave, we keep them apart. The states are
     saved as raw bytes (see ``_MT_BYTES``), so a batch costs a few microseconds, most of it the
-    seeding itself. What raw bytes leave out is carried apart: python's ``gauss_next``; numpy's
-    cached gaussian (``has_gauss``), which only ``get_state`` shows: it is read in full when the
-    caller's numpy state is not the one given back after the previous fetch -- the caller drew
-    from it in between -- and otherwise known to be none, as given back. A cached gaussian to
-    give back is given back with ``set_state``.
+    seeding itself. Raw bytes hold the Mersenne Twister words; the cached gaussians are carried
+    apart: python's ``gauss_next`` attribute, and numpy's ``has_gauss`` and ``gauss`` fields,
+    as raw bytes too (``_np_gauss_offset``). Where a layout does not check out, the official
+    getters and setters are used (numpy's ``get_state``/``set_state``: ~50 us a batch).
     """
 
-    __slots__ = ("_np", "_np_back", "_np_full", "_py", "_py_gauss", "_seed", "_torch")
+    __slots__ = (
+        "_gauss_at",
+        "_inst",
+        "_np_at",
+        "_np_bg",
+        "_np_full",
+        "_np_rand",
+        "_py",
+        "_py_at",
+        "_py_gauss",
+        "_saved",
+        "_saved_buf",
+        "_seed",
+        "_torch",
+    )
 
     def __init__(self) -> None:
         self._seed = 0
-        self._np_back: bytes | None = None  # the numpy state given back last (no cached gauss)
-        self._np_full: Any = None  # the caller's numpy state from get_state, when needed
+        # The caller's raw states while a fetch runs -- python's MT words, numpy's, numpy's
+        # cached gaussian -- copied into one buffer made once (a bytes object per state and
+        # batch costs more than the copy).
+        self._saved_buf = ctypes.create_string_buffer(2 * _MT_BYTES + _GAUSS_BYTES)
+        at = ctypes.addressof(self._saved_buf)
+        self._saved = (at, at + _MT_BYTES, at + 2 * _MT_BYTES)
+        # The global generators' objects, and where their raw fields lie (0: that generator
+        # takes the slow path), looked up again only when one of the objects changes.
+        self._inst: Any = None
+        self._np_rand: Any = None
+        self._np_bg: Any = None
+        self._py_at = self._np_at = self._gauss_at = 0
+        self._py: Any = None  # the slow paths' saved states
+        self._np_full: Any = None
 
     def seeded(self, seed: int) -> FetchRngs:
         self._seed = seed
         return self
 
+    def _look(self, inst: Any, rand: Any, bg: Any) -> None:
+        py_off, _, gauss_off = _raw_layouts()
+        self._inst, self._np_rand, self._np_bg = inst, rand, bg
+        self._py_at = id(inst) + py_off if py_off is not None and type(inst) is random.Random else 0
+        self._np_at = self._gauss_at = 0
+        numpy_raw = type(rand) is np.random.RandomState and type(bg) is np.random.MT19937
+        if gauss_off is not None and numpy_raw:
+            self._np_at = int(bg.ctypes.state_address)
+            self._gauss_at = id(rand) + gauss_off
+
     def __enter__(self) -> FetchRngs:
-        py_off, np_ok = _raw_layouts()
         inst: Any = random._inst
-        self._py = (
-            ctypes.string_at(id(inst) + py_off, _MT_BYTES)
-            if py_off is not None
-            else inst.getstate()
-        )
+        rand: Any = np.random.mtrand._rand
+        bg = rand._bit_generator
+        if inst is not self._inst or rand is not self._np_rand or bg is not self._np_bg:
+            self._look(inst, rand, bg)
+        py_saved, np_saved, gauss_saved = self._saved
+        if self._py_at:
+            _memmove(py_saved, self._py_at, _MT_BYTES)
+        else:
+            self._py = inst.getstate()
         self._py_gauss = inst.gauss_next
-        self._np = None
-        self._np_full = None
-        if np_ok and type(np.random.mtrand._rand._bit_generator) is np.random.MT19937:
-            raw = ctypes.string_at(_np_address(), _MT_BYTES)
-            if raw == self._np_back:
-                self._np = raw  # as given back last time: no cached gaussian
-            else:
-                full: Any = np.random.get_state()
-                if full[3] == 0:
-                    self._np = raw
-                else:
-                    self._np_full = full
+        if self._np_at:
+            _memmove(np_saved, self._np_at, _MT_BYTES)
+            _memmove(gauss_saved, self._gauss_at, _GAUSS_BYTES)
         else:
             self._np_full = np.random.get_state()
-        self._torch = torch.random.default_generator.get_state()
-        seed_global_rngs(self._seed)
+        # What seed_global_rngs(seed) does, with what is known here: numpy's generator is
+        # the RandomState looked up above, and the caller's seed field of torch's state is the
+        # first 8 bytes of the state just saved.
+        gen = torch.random.default_generator
+        self._torch = saved = gen.get_state()
+        seed = self._seed
+        _py_seed(inst, seed)
+        inst.gauss_next = None
+        if self._np_at:
+            rand.seed(seed & 0xFFFFFFFF)
+        else:
+            np.random.seed(seed & 0xFFFFFFFF)
+        if _seed_field_ok():
+            _seed_torch_keeping(gen, seed, saved.data_ptr())
+        else:
+            gen.manual_seed(seed)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        py_off, _ = _raw_layouts()
-        inst: Any = random._inst
-        if py_off is not None:
-            _memmove(id(inst) + py_off, self._py, _MT_BYTES)
-            inst.gauss_next = self._py_gauss
+        py_saved, np_saved, gauss_saved = self._saved
+        inst = self._inst
+        if self._py_at:
+            _memmove(self._py_at, py_saved, _MT_BYTES)
         else:
             inst.setstate(self._py)
-        if self._np is not None:
-            np.random.seed(0)  # clears a gaussian the fetch may have left cached
-            _memmove(_np_address(), self._np, _MT_BYTES)
-            self._np_back = self._np
+        inst.gauss_next = self._py_gauss
+        if self._np_at:
+            _memmove(self._np_at, np_saved, _MT_BYTES)
+            _memmove(self._gauss_at, gauss_saved, _GAUSS_BYTES)
         else:
             np.random.set_state(self._np_full)
-            self._np_back = None
-        self._np = self._np_full = None
+        self._py = self._np_full = None
         torch.random.default_generator.set_state(self._torch)
-
-
-def _np_address() -> int:
-    rand: Any = np.random.mtrand._rand
-    return int(rand._bit_generator.ctypes.state_address)
 
 
 def draw_base_seed(generator: torch.Generator | None) -> int:

@@ -441,6 +441,13 @@ def _pooled_new_shared(cls: Any, size: int, *, device: Any = "cpu") -> Any:
     return pool.alloc(size)
 
 
+def has_pool() -> bool:
+    """Whether this process has a segment pool (a worker's, once it made one): without one,
+    ``collating()`` changes nothing, and a collate need not enter it (the main process with
+    ``num_workers=0`` collates once per batch; entering costs a couple of microseconds)."""
+    return _worker_pool is not None
+
+
 @contextlib.contextmanager
 def collating() -> Iterator[None]:
     """Worker side, around a collate that may use shared memory: torch's collate allocates

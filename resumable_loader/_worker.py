@@ -209,7 +209,9 @@ def _collate(collate: Any, data: Any, shared: bool) -> Any:
     built in ordinary memory, to be copied into the message.
     """
     if shared:
-        with _transport.collating():  # into the worker's pooled segment, when it has one
+        if not _transport.has_pool():
+            return collate(data)
+        with _transport.collating():  # into the worker's pooled segment
             return collate(data)
     from torch.utils.data._utils import worker as torch_worker
 
