@@ -107,7 +107,8 @@ def record_problem(rec: Any) -> str | None:
     if (
         isinstance(rec, dict)
         and type(rec.get(K_CLASS)) is str
-        and (rec.get(K_FINGERPRINT) is None or type(rec.get(K_FINGERPRINT)) is str)
+        and K_FINGERPRINT in rec
+        and (rec[K_FINGERPRINT] is None or type(rec[K_FINGERPRINT]) is str)
     ):
         return None
     return f"expected {{class: str, fingerprint: str or None}}, got {clip_repr(rec)}"

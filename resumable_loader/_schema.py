@@ -560,20 +560,24 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
         fields.append("num_workers")
     for name in fields:
         theirs = cfg.get(name)
-        if name == "sampler":
-            theirs = _resized_sampler(theirs, saved_len, config["dataset_len"])
-        if not _same(theirs, config[name]):
-            raise _fail(
-                f"config.{name}",
-                f"the checkpoint has {clip_repr(cfg.get(name))}, this loader has {config[name]!r}",
-                _FIX[name],
-            )
+        if _same(theirs, config[name]):
+            continue
+        if name == "sampler" and _same(
+            _resized_sampler(theirs, saved_len, config["dataset_len"]), config[name]
+        ):
+            continue
+        raise _fail(
+            f"config.{name}",
+            f"the checkpoint has {clip_repr(theirs)}, this loader has {config[name]!r}",
+            _FIX[name],
+        )
 
 
 def _resized_sampler(description: Any, saved_len: Any, now_len: Any) -> Any:
     """A saved sampler description as it reads over a dataset resized from ``saved_len`` to
     ``now_len``: a RandomSampler's ``num_samples`` defaults to the dataset's length, so it
-    follows the length (whose change is the dataset check's to judge, not the sampler's)."""
+    follows the length (whose change is the dataset check's to judge, not the sampler's). One
+    given explicitly, equal to the old length by chance, matches unchanged instead."""
     if type(description) is not str or type(saved_len) is not int or type(now_len) is not int:
         return description
     tail = f", num_samples={saved_len})"

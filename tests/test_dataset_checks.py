@@ -198,6 +198,24 @@ def test_continue_resumes_by_position_on_the_new_data_with_one_warning(
     assert two_epochs(resumed) == [want[0][K:], want[1]]
 
 
+def test_a_sampler_num_samples_given_explicitly_stays_the_samplers() -> None:
+    # RandomSampler's num_samples follows the dataset's length unless given: one given equal to
+    # the old length is the same sampler over the grown data, not a changed sampler.
+    def loader(n: int) -> DataLoader:
+        gen = torch.Generator()
+        gen.manual_seed(3)
+        ds = Corpus(n)
+        sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=N)
+        return DataLoader(ds, batch_size=B, sampler=sampler, generator=gen)
+
+    sd = saved_after(loader(N))
+    assert sd["config"]["sampler"] == f"random(replacement=True, num_samples={N})"
+    want = two_epochs(loader(N + 6))
+    resumed = loader(N + 6)
+    assert len(load_quietly(resumed, sd, on_dataset_change="continue")) == 1
+    assert two_epochs(resumed) == [want[0][K:], want[1]]
+
+
 def test_a_state_taken_after_a_continue_records_the_new_data() -> None:
     sd = saved_after(make(Manifest()))
     new = Manifest(N + 2, fp="sha256:v2")
@@ -307,6 +325,23 @@ def test_a_broken_fingerprint_is_a_clear_error_naming_the_dataset(
     # A Mixture names the source (the same words: one function says them).
     with pytest.raises(exc, match=r"source 'web': fingerprint\(\)"):
         Mixture({"web": Manifest(fp=fp), "code": Corpus(5)}, {"web": 1, "code": 1})
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"class": f"{__name__}.Manifest"},  # no fingerprint key
+        {"class": 3, "fingerprint": None},
+        {"class": f"{__name__}.Manifest", "fingerprint": 7},
+        [f"{__name__}.Manifest", "sha256:v1"],
+        None,
+    ],
+)
+def test_a_damaged_record_is_refused_naming_the_field(record: Any) -> None:
+    sd = saved_after(make(Manifest()))
+    sd["dataset"] = record
+    refused(make(Manifest()), sd, "dataset: expected {class: str, fingerprint: str or None}")
+    refused(make(Manifest()), sd, "the state is damaged", on_dataset_change="continue")
 
 
 # ---- a state from before dataset checks ------------------------------------------------------
