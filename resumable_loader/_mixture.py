@@ -607,9 +607,16 @@ class Mixture(Dataset[Any]):
             CheckpointError: malformed, or sources added or removed.
         """
         if not isinstance(saved, list) or not all(
-            isinstance(s, Mapping) and {"name", "length", "fingerprint"} <= set(s) for s in saved
+            isinstance(s, Mapping)
+            and {"name", "length", "fingerprint"} <= set(s)
+            # Typed before they are hashed or compared: a damaged file may hold a list or an
+            # array there, whose hash raises and whose == is elementwise.
+            and type(s["name"]) is str
+            and type(s["length"]) is int
+            and (s["fingerprint"] is None or type(s["fingerprint"]) is str)
+            for s in saved
         ):
-            raise CheckpointError(f"bad Mixture state: 'sources' is {saved!r}")
+            raise CheckpointError(f"bad Mixture state: 'sources' is {clip_repr(saved)}")
         theirs = {s["name"]: s for s in saved}
         added = [n for n in self._names if n not in theirs]
         removed = sorted(n for n in theirs if n not in self._names)

@@ -420,6 +420,22 @@ def test_mixture_sources_added_are_refused_even_with_continue() -> None:
     refused(loader, sd, "['wiki'] added", "does not apply", on_dataset_change="continue")
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        {"name": ["web"], "length": 20, "fingerprint": None},
+        {"name": "web", "length": torch.tensor([20, 20]), "fingerprint": None},
+        {"name": "web", "length": 20, "fingerprint": 5},
+    ],
+)
+def test_a_damaged_plan_source_is_refused_not_raised_from(source: dict[str, Any]) -> None:
+    sd = mixture({"web": 20}).state_dict()
+    sd["sources"] = [source]
+    mix = mixture({"web": 20})
+    with pytest.raises(CheckpointError, match="bad Mixture state: 'sources' is"):
+        mix.load_state_dict(sd, on_dataset_change="continue")
+
+
 def test_mixture_load_state_dict_continues_with_one_warning() -> None:
     saved = mixture({"code": 11, "web": 20}, {"web": "v1"}).state_dict()
     mix = mixture({"code": 11, "web": 24}, {"web": "v2"})
