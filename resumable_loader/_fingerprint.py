@@ -1,6 +1,7 @@
 """Dataset checks: what data a state was taken on, and what changed since.
 
-A loader state records its dataset as ``{"class", "fingerprint"}`` (the ``dataset`` key); its
+A loader state records its dataset as ``{"class", "fingerprint"}`` (the ``dataset`` key: the
+class's ``__qualname__``, and what its ``fingerprint()`` returns); its
 length is ``config.dataset_len`` (one truth, checked here too). A ``Mixture`` records each
 source's name, length and fingerprint in its plan (``data_plan``), so its own record carries no
 fingerprint: its sources are compared one by one, which names the one that changed.
@@ -51,9 +52,11 @@ def check_policy(value: Any) -> str:
 
 
 def class_name(obj: Any) -> str:
-    """The qualified name of ``obj``'s class: ``package.module.Class``."""
-    kind = type(obj)
-    return f"{kind.__module__}.{kind.__qualname__}"
+    """The qualified name of ``obj``'s class (``__qualname__``: ``Corpus``,
+    ``Outer.Corpus``), without its module: a script's classes are ``__main__.Corpus`` when it
+    runs and ``train.Corpus`` when imported (a launcher, a test), and a class moved to another
+    module reads the same data."""
+    return type(obj).__qualname__
 
 
 def fingerprint_of(dataset: Any, what: str) -> str | None:

@@ -108,13 +108,24 @@ def refused(loader: DataLoader, state: dict[str, Any], *fragments: str, **kw: An
 @pytest.mark.parametrize("via", [*VIAS, "json"])
 def test_the_state_records_the_data_and_survives_storage(via: str) -> None:
     sd = roundtrip_state(saved_after(make(Manifest())), via)
-    assert sd["dataset"] == {"class": f"{__name__}.Manifest", "fingerprint": "sha256:v1"}
+    assert sd["dataset"] == {"class": "Manifest", "fingerprint": "sha256:v1"}
     assert sd["config"]["dataset_len"] == N  # the length: one place, the config
     plain = roundtrip_state(make(Corpus()).state_dict(), via)
-    assert plain["dataset"] == {"class": f"{__name__}.Corpus", "fingerprint": None}
+    assert plain["dataset"] == {"class": "Corpus", "fingerprint": None}
     # The same data resumes silently, and exactly.
     want = two_epochs(make(Manifest()))
     resumed = make(Manifest(), seed=99)
+    assert load_quietly(resumed, sd) == []
+    assert two_epochs(resumed) == [want[0][K:], want[1]]
+
+
+def test_the_class_is_named_without_its_module() -> None:
+    # A script's dataset class is __main__.Corpus when the script runs and train.Corpus when a
+    # launcher (or a test) imports it: the same class, so the same data.
+    as_script = type("Corpus", (Corpus,), {"__module__": "__main__"})
+    sd = saved_after(make(Corpus()))
+    want = two_epochs(make(as_script()))
+    resumed = make(as_script())
     assert load_quietly(resumed, sd) == []
     assert two_epochs(resumed) == [want[0][K:], want[1]]
 
@@ -123,12 +134,12 @@ def test_wrappers_are_recorded_by_class_and_length_only() -> None:
     # Subset and ConcatDataset are not looked into: a changed inner fingerprint of the same
     # length goes unseen (documented), a changed length does not.
     sub = make(Subset(Manifest(fp="a"), range(20))).state_dict()
-    assert sub["dataset"] == {"class": "torch.utils.data.dataset.Subset", "fingerprint": None}
+    assert sub["dataset"] == {"class": "Subset", "fingerprint": None}
     assert load_quietly(make(Subset(Manifest(fp="b"), range(20))), sub) == []
     refused(make(Subset(Manifest(fp="a"), range(19))), sub, "config.dataset_len", "20", "19")
     cat = make(ConcatDataset([Corpus(10), Corpus(20)])).state_dict()
     assert cat["config"]["dataset_len"] == 30
-    assert cat["dataset"]["class"] == "torch.utils.data.dataset.ConcatDataset"
+    assert cat["dataset"]["class"] == "ConcatDataset"
 
 
 # ---- refusals (the default) -------------------------------------------------------------------
@@ -143,7 +154,7 @@ def test_wrappers_are_recorded_by_class_and_length_only() -> None:
         ),
         (
             Corpus(),
-            [f"class is {__name__}.Corpus, the checkpoint's was {__name__}.Manifest", "None"],
+            ["class is Corpus, the checkpoint's was Manifest", "None"],
         ),
     ],
     ids=["length", "fingerprint", "class"],
@@ -179,7 +190,7 @@ def test_every_change_is_named_in_one_refusal() -> None:
         (Manifest(N + 6, base=1000), "the checkpoint has 30, this loader has 36"),
         (Manifest(N - 6, base=1000), "the checkpoint has 30, this loader has 24"),
         (Manifest(base=1000, fp="sha256:v2"), "'sha256:v2', the checkpoint's was 'sha256:v1'"),
-        (OtherCorpus(base=1000), f"class is {__name__}.OtherCorpus"),
+        (OtherCorpus(base=1000), "class is OtherCorpus"),
     ],
     ids=["grown", "shrunk", "fingerprint", "class"],
 )
@@ -315,7 +326,7 @@ def test_a_broken_fingerprint_is_a_clear_error_naming_the_dataset(
     with pytest.raises(exc) as info:
         loader.state_dict()
     msg = str(info.value)
-    assert f"the dataset ({__name__}.Manifest): fingerprint()" in msg
+    assert "the dataset (Manifest): fingerprint()" in msg
     for fragment in fragments:
         assert fragment in msg, msg
     if isinstance(fp, BaseException):
@@ -330,10 +341,10 @@ def test_a_broken_fingerprint_is_a_clear_error_naming_the_dataset(
 @pytest.mark.parametrize(
     "record",
     [
-        {"class": f"{__name__}.Manifest"},  # no fingerprint key
+        {"class": "Manifest"},  # no fingerprint key
         {"class": 3, "fingerprint": None},
-        {"class": f"{__name__}.Manifest", "fingerprint": 7},
-        [f"{__name__}.Manifest", "sha256:v1"],
+        {"class": "Manifest", "fingerprint": 7},
+        ["Manifest", "sha256:v1"],
         None,
     ],
 )
@@ -402,7 +413,7 @@ def test_a_changed_mixture_source_is_refused_or_continued(
 
     old = mixture({"code": 11, "web": 20}, {"web": "v1"})
     sd = saved_after(loader(old))
-    assert sd["dataset"] == {"class": "resumable_loader.Mixture", "fingerprint": None}
+    assert sd["dataset"] == {"class": "Mixture", "fingerprint": None}
     assert sd["data_plan"]["sources"][1] == {"name": "web", "length": 20, "fingerprint": "v1"}
     sd = roundtrip_state(sd, via)
     refused(loader(new()), sd, said, "on_dataset_change='continue'")
@@ -456,14 +467,14 @@ def test_inspect_shows_the_fingerprints(tmp_path: Path, capsys: pytest.CaptureFi
     torch.save({"loader": saved_after(make(Manifest()))}, path)
     assert main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"dataset          {__name__}.Manifest; fingerprint 'sha256:v1'" in out
+    assert "dataset          Manifest; fingerprint 'sha256:v1'" in out
 
     mix = mixture({"code": 11, "web": 20}, {"web": "sha256:" + "ab" * 32})
     rls = tmp_path / "mix.rls"
     rls.write_bytes(dump_state(saved_after(DataLoader(mix, batch_size=B))))
     assert main(["inspect", str(rls)]) == 0
     out = capsys.readouterr().out
-    assert "dataset          resumable_loader.Mixture; fingerprints per source (data_plan)" in out
+    assert "dataset          Mixture; fingerprints per source (data_plan)" in out
     assert "seed 5, epoch 0, num_samples 31; weights {'code': 1, 'web': 1} from position 0" in out
     assert "source 'code': 11 items, fingerprint None" in out
     assert f"source 'web': 20 items, fingerprint 'sha256:{'ab' * 32}'" in out
