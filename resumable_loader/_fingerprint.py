@@ -97,9 +97,28 @@ def fingerprint_of(dataset: Any, what: str) -> str | None:
     return fp
 
 
+# A wrapper that is no change of data names, in this class attribute, the attribute holding the
+# dataset it reads; the record is that dataset's. resumable_loader.testing's fault injectors do:
+# a job run through one resumes on the plain dataset (a test's reference run, a repaired job).
+WRAPS = "_records_as"
+
+
+def recorded(dataset: Any) -> Any:
+    """The dataset a state records for ``dataset``: itself, or what a wrapper that declares
+    ``WRAPS`` on its class wraps (looked up on the class: a dataset's own ``__getattr__`` may
+    answer any name)."""
+    for _ in range(16):  # wrappers of wrappers; a cycle stops here
+        attr = getattr(type(dataset), WRAPS, None)
+        if type(attr) is not str:
+            break
+        dataset = getattr(dataset, attr)
+    return dataset
+
+
 def record(dataset: Any, *, per_source: bool = False) -> dict[str, Any]:
     """The state's record of ``dataset``: its class, and its fingerprint (None when it has no
     ``fingerprint()``, or when ``per_source``: a ``Mixture``'s plan holds each source's)."""
+    dataset = recorded(dataset)
     name = class_name(dataset)
     fp = None if per_source else fingerprint_of(dataset, f"the dataset ({name})")
     return {K_CLASS: name, K_FINGERPRINT: fp}

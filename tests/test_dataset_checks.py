@@ -22,7 +22,7 @@ from torch.utils.data import ConcatDataset, Dataset, Subset
 from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
 from resumable_loader.__main__ import main
 from resumable_loader._codec import dump_state
-from resumable_loader.testing import roundtrip_state
+from resumable_loader.testing import FaultyDataset, roundtrip_state
 
 VIAS = ["torch", "bytes"]
 N, B, K = 30, 4, 3  # samples, batch size, batches consumed before the checkpoint
@@ -128,6 +128,19 @@ def test_the_class_is_named_without_its_module() -> None:
     resumed = make(as_script())
     assert load_quietly(resumed, sd) == []
     assert two_epochs(resumed) == [want[0][K:], want[1]]
+
+
+def test_a_fault_injector_records_the_dataset_it_wraps(tmp_path: Path) -> None:
+    # resumable_loader.testing's wrappers change no data: a job run through one resumes on the
+    # plain dataset (and the other way round), and the wrapped dataset's fingerprint is checked.
+    faulty = make(FaultyDataset(Manifest(), {}, tmp_path))
+    sd = saved_after(faulty)
+    assert sd["dataset"] == {"class": "Manifest", "fingerprint": "sha256:v1"}
+    want = two_epochs(make(Manifest()))
+    resumed = make(Manifest())
+    assert load_quietly(resumed, sd) == []
+    assert two_epochs(resumed) == [want[0][K:], want[1]]
+    refused(make(FaultyDataset(Manifest(fp="v2"), {}, tmp_path)), sd, "'v2'")
 
 
 def test_wrappers_are_recorded_by_class_and_length_only() -> None:
