@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -40,8 +39,13 @@ class Augmented(Dataset):
 
 
 def train(workdir: str) -> None:
-    preempted = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.set())
+    preempted = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal preempted
+        preempted = True  # only a flag: a handler that takes a lock can deadlock
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
     loader = DataLoader(
         Augmented(),
@@ -59,13 +63,13 @@ def train(workdir: str) -> None:
         step, start_epoch = ckpt["step"], ckpt["loader"]["epoch"]
     epoch = start_epoch  # the epoch to train next: advanced only when one runs to its end
     with open(os.path.join(workdir, "batches.log"), "a") as log:
-        while epoch < EPOCHS and not preempted.is_set():
+        while epoch < EPOCHS and not preempted:
             for batch in loader:
                 time.sleep(0.02)  # stands in for the training step
                 step += 1
                 log.write(f"{step} {batch.flatten().tolist()}\n")
                 log.flush()
-                if preempted.is_set():
+                if preempted:
                     break
             else:
                 epoch += 1
@@ -73,7 +77,7 @@ def train(workdir: str) -> None:
     # SIGKILL follows the SIGTERM mid-save, the previous checkpoint is still there.
     save_checkpoint({"loader": loader.state_dict(), "step": step}, ckpt_path)
     loader.close()
-    sys.exit(0 if not preempted.is_set() else 143)
+    sys.exit(0 if not preempted else 143)
 
 
 def read_log(workdir: str) -> list[str]:

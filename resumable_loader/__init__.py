@@ -56,6 +56,7 @@ from ._distributed import merge_rank_states  # noqa: E402
 from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
 from ._loader import DataLoader, RetryPolicy  # noqa: E402
 from ._mixture import Mixture  # noqa: E402
+from ._skip import skip_samples  # noqa: E402
 from ._stats import LoaderStatistics  # noqa: E402
 
 __version__ = "0.1.0"
@@ -73,6 +74,7 @@ __all__ = [
     "load_state",
     "merge_rank_states",
     "save_checkpoint",
+    "skip_samples",
 ]
 
 

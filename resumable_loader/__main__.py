@@ -1,4 +1,5 @@
-"""Command line tools: ``python -m resumable_loader inspect PATH [--key KEY] [--json]``.
+"""Command line tools: ``python -m resumable_loader inspect PATH [--key KEY] [--json]`` and
+``python -m resumable_loader skip PATH --samples N [--key KEY] [-o OUT]``.
 
 ``inspect`` prints a readable summary of a saved loader state: where the loader stands (epoch,
 consumed tasks), what it will re-send (outstanding tasks), and what each worker carries. PATH is a
@@ -6,6 +7,11 @@ file written from ``dump_state`` (recognised by its magic header), by ``torch.sa
 ``weights_only=True``), or a ``torch.distributed.checkpoint`` directory (its metadata read into
 inert records, the loader's entries with ``weights_only=True``): inspecting an untrusted file or
 directory runs no code from it, and nothing it reads is unpickled by plain ``pickle``.
+
+``skip`` writes the state ``N`` samples further along (``skip_samples``), reading nothing of
+the data: over PATH atomically (a temporary file, fsync, rename), or to OUT. A DCP directory is
+several files, which no rename replaces at once: its result is a new directory OUT (the files
+copied, the loader's entries rewritten in a file of their own, the metadata pointed at it).
 
 Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read.
 """
@@ -24,7 +30,15 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._codec import MAGIC, clip_repr, clip_text, encoded_size, load_state
+from resumable_loader._checkpoint import _create_unique, _fsync_directory, save_checkpoint
+from resumable_loader._codec import (
+    MAGIC,
+    clip_repr,
+    clip_text,
+    dump_state,
+    encoded_size,
+    load_state,
+)
 from resumable_loader._distributed import GLOBAL_FORMAT, is_global, split_global
 from resumable_loader._errors import CheckpointError
 from resumable_loader._schema import FORMAT, K_DATASET, K_PLAN, KNOWN_KEYS
@@ -103,6 +117,37 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     inspect.set_defaults(run=_inspect)
+    skip = commands.add_parser(
+        "skip",
+        help="move a saved loader state N samples on, reading none of them",
+        description=(
+            "Write the loader state N samples further along its stream (skip_samples()), "
+            "reading nothing of the data. Over PATH (atomically) unless -o is given; a "
+            "torch.distributed.checkpoint directory needs -o NEW_DIRECTORY. torch.save files "
+            "are loaded with weights_only=True."
+        ),
+    )
+    skip.add_argument(
+        "path",
+        metavar="PATH",
+        help="a dump_state or torch.save file, or a torch.distributed.checkpoint directory",
+    )
+    skip.add_argument(
+        "--samples", type=int, required=True, metavar="N", help="how many samples to skip"
+    )
+    skip.add_argument(
+        "--key",
+        help="where the loader state sits inside the file (as for inspect); by default the "
+        "file itself, or the one loader state found in it",
+    )
+    skip.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="write the result here instead of over PATH (for a DCP directory: a new "
+        "directory, which must not exist)",
+    )
+    skip.set_defaults(run=_skip)
     return parser
 
 
@@ -130,6 +175,217 @@ def _inspect(args: argparse.Namespace) -> int:
         raise CliError(f"the state in {args.path} holds itself or is nested too deeply") from exc
     print(text)
     return 0
+
+
+def _locate(obj: Any, key: str | None, path: str, from_dump: bool) -> tuple[list[Any], Any]:
+    """The loader state in ``obj``: (the keys that lead to it, the state)."""
+    if key is not None:
+        keys = _key_path(obj, key, path)
+        state = obj
+        for k in keys:
+            state = state[k]
+        if not isinstance(state, dict):
+            raise CliError(
+                f"the value at {key!r} in {path} is {_kind(state)}, not a loader state (a "
+                "dict); choose another --key"
+            )
+        return keys, state
+    if isinstance(obj, dict) and (from_dump or _looks_like_state(obj)):
+        return [], obj
+    label, state = _find_state(obj, path)
+    keys = _key_path(obj, label, path)
+    return keys, state
+
+
+def _key_path(obj: Any, dotted: str, path: str) -> list[Any]:
+    """The keys (dict keys as stored, list indices as ints) that ``_dig`` follows."""
+    _dig(obj, dotted, path)  # raises the readable error for a wrong key
+    keys: list[Any] = []
+    current = obj
+    for part in dotted.split("."):
+        if isinstance(current, dict):
+            k: Any = part if part in current else int(part)
+        else:
+            k = int(part)
+        keys.append(k)
+        current = current[k]
+    return keys
+
+
+def _skip(args: argparse.Namespace) -> int:
+    from resumable_loader._skip import skip_samples
+
+    if args.samples < 0:
+        raise CliError(f"--samples must be >= 0, not {args.samples}")
+    if os.path.isdir(args.path):
+        return _skip_dcp(args)
+    obj, _, from_dump = _load(args.path)
+    keys, state = _locate(obj, args.key, args.path, from_dump)
+    try:
+        new = skip_samples(state, args.samples)
+    except CheckpointError as exc:
+        raise CliError(f"{args.path}: {exc}") from exc
+    if keys:
+        parent = obj
+        for k in keys[:-1]:
+            parent = parent[k]
+        if not isinstance(parent, (dict, list)):
+            raise CliError(
+                f"{args.path}: the loader state sits inside {_kind(parent)}, which cannot be "
+                "changed; save it inside a dict"
+            )
+        parent[keys[-1]] = new
+    else:
+        obj = new
+    out = args.output or args.path
+    try:
+        save_checkpoint(dump_state(obj) if from_dump else obj, out)
+    except OSError as exc:
+        raise CliError(f"cannot write {out}: {exc.strerror or exc}") from exc
+    where = f" (key {'.'.join(map(str, keys))!r})" if keys else ""
+    print(f"skipped {args.samples} samples of the loader state in {args.path}{where}; wrote {out}")
+    return 0
+
+
+def _skip_dcp(args: argparse.Namespace) -> int:
+    """A DCP directory: the result is a new directory (see the module docstring)."""
+    from resumable_loader._skip import skip_samples
+
+    path, out = args.path, args.output
+    if out is None or os.path.abspath(out) == os.path.abspath(path):
+        raise CliError(
+            f"{path} is a torch.distributed.checkpoint directory: several files, which cannot "
+            "be replaced all at once; give -o NEW_DIRECTORY (the result is written there, "
+            "and the original is left as it was)"
+        )
+    if os.path.lexists(out):
+        raise CliError(f"{out} exists; -o names a new directory for the result")
+    obj = _load_dcp(path)
+    keys, state = _locate(obj, args.key, path, False)
+    try:
+        new = skip_samples(state, args.samples)
+    except CheckpointError as exc:
+        raise CliError(f"{path}: {exc}") from exc
+    prefix = ".".join(map(str, keys)) + "." if keys else ""
+    entries, _ = _read_dcp_metadata(path)
+    changed: dict[str, Any] = {}
+    for fqn in entries:
+        if not fqn.startswith(prefix):
+            continue
+        value: Any = new
+        for part in fqn[len(prefix) :].split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        changed[fqn] = value
+    if set(_flat_keys(new)) != {k[len(prefix) :] for k in changed}:
+        raise CliError(
+            f"{path}: the skipped state has entries the checkpoint lacks; write it with "
+            "dcp.save from the job instead"
+        )
+    _write_dcp_copy(path, out, changed)
+    print(
+        f"skipped {args.samples} samples of the loader state in {path} (key "
+        f"{prefix.rstrip('.')!r}); wrote the new checkpoint directory {out}"
+    )
+    return 0
+
+
+def _flat_keys(state: dict[Any, Any]) -> list[str]:
+    """The dotted keys DCP stores a nested dict under (one entry per leaf)."""
+    out = []
+    for k, v in state.items():
+        if isinstance(v, dict) and v:
+            out += [f"{k}.{sub}" for sub in _flat_keys(v)]
+        else:
+            out.append(str(k))
+    return out
+
+
+# The data file the new directory's loader entries go to.
+DCP_SKIP_FILE = "__resumable_loader_skip.distcp"
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Reads a ``.metadata`` file into torch's own classes, to write it back changed. Only the
+    names ``_DCP_CLASSES`` allows (dataclasses of torch's checkpoint metadata, an enum, torch's
+    dtypes) are reachable -- as ``torch.load(weights_only=True)`` allows only its own list --
+    and the file was read by the inert reader first (``_read_dcp_metadata``)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES or (module == "torch" and _is_dtype_name(name)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it refers to {clip_text(module, 80)}.{clip_text(name, 80)}")
+
+
+def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
+    """``out``: a new directory with ``path``'s files, the ``changed`` entries in a data file
+    of their own and the metadata pointing at it. Built beside ``out`` under a temporary
+    name and renamed into place, so ``out`` appears complete or not at all."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    parent, name = os.path.split(os.path.abspath(out))
+    with _open_regular(os.path.join(path, DCP_METADATA)) as f:
+        meta = _DcpMetadataUnpickler(io.BytesIO(f.read(MAX_DCP_METADATA + 1))).load()
+    names = sorted(os.listdir(path))
+    if DCP_SKIP_FILE in names:
+        raise CliError(f"{path} already holds {DCP_SKIP_FILE}: skip from the original checkpoint")
+    fd, tmp_file = _create_unique(parent, name)  # reserves a unique name for the directory
+    os.close(fd)
+    tmp = tmp_file[: -len(".tmp")] + ".dir.tmp"
+    os.unlink(tmp_file)
+    os.mkdir(tmp, 0o777)
+    made: list[str] = []
+    try:
+        for entry in names:
+            if entry == DCP_METADATA:
+                continue
+            src = os.path.join(path, entry)
+            if os.path.isdir(src) and not os.path.islink(src):
+                raise CliError(f"{path} holds a directory {entry!r}; a DCP checkpoint is flat")
+            with _open_regular(src) as f_in:
+                dst = os.path.join(tmp, entry)
+                made.append(dst)
+                with open(dst, "xb") as f_out:
+                    while chunk := f_in.read(1 << 24):
+                        f_out.write(chunk)
+                    f_out.flush()
+                    os.fsync(f_out.fileno())
+        blob = os.path.join(tmp, DCP_SKIP_FILE)
+        made.append(blob)
+        where: dict[str, Any] = {}
+        with open(blob, "xb") as f_out:
+            for fqn, value in changed.items():
+                buf = io.BytesIO()
+                torch.save(value, buf)
+                where[fqn] = _StorageInfo(DCP_SKIP_FILE, f_out.tell(), buf.tell())
+                f_out.write(buf.getbuffer())
+            f_out.flush()
+            os.fsync(f_out.fileno())
+        for index in list(meta.storage_data):
+            if getattr(index, "fqn", None) in where:
+                meta.storage_data[index] = where[index.fqn]
+        md_path = os.path.join(tmp, DCP_METADATA)
+        made.append(md_path)
+        with open(md_path, "xb") as f_out:
+            pickle.dump(meta, f_out)
+            f_out.flush()
+            os.fsync(f_out.fileno())
+        _fsync_directory(tmp)
+        if os.path.lexists(out):
+            raise CliError(f"{out} appeared while the result was written; not replaced")
+        os.rename(tmp, out)
+    except BaseException:
+        for made_path in made:  # ours: created above under these names
+            try:
+                os.unlink(made_path)
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_directory(parent)
 
 
 def _load(path: str) -> tuple[Any, str, bool]:
@@ -584,6 +840,17 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
         "position",
         f"{_scalar(consumed)} tasks consumed; delivered ahead: {_int_list(ahead, SHOW_INDICES)}",
     )
+    cut = state.get("sample_cut", MISSING)
+    if isinstance(cut, dict):
+        holes = cut.get("holes")
+        out.field(
+            "sample cut",
+            f"the rest of the epoch from position {_scalar(cut.get('start', MISSING))}"
+            + (f", less {_describe(holes)} delivered ahead" if holes else "")
+            + "; tasks count from there",
+        )
+    elif cut is not MISSING:
+        out.field("sample cut", _describe(cut))
     dist = state.get("distributed", MISSING)
     if isinstance(dist, dict):
         history = dist.get("history") or "none"
@@ -602,6 +869,7 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
         out.field("sampler_state", f"present: {_describe(sampler_state)}")
     _worker_lines(out, state.get("workers", MISSING), state.get("next_worker", MISSING))
     _skipped_lines(out, state.get("skipped", MISSING))
+    _skipped_sample_lines(out, state.get("skipped_samples", MISSING))
     extra = [k for k in state if k not in KNOWN_KEYS]
     if extra:
         out.line(f"other keys ({len(extra)})")
@@ -771,6 +1039,27 @@ def _skipped_lines(out: _Lines, skipped: Any) -> None:
             epoch, task_id, indices = entry
             line = f"epoch {_scalar(epoch)} task {_scalar(task_id)}: {_indices(indices)}"
             out.line(f"{'':17}{line}")
+        else:
+            out.line(f"{'':17}{_describe(entry)}")
+    if len(skipped) > SHOW_TASKS:
+        out.line(f"{'':17}... {len(skipped) - SHOW_TASKS} more")
+
+
+def _skipped_sample_lines(out: _Lines, skipped: Any) -> None:
+    if skipped is MISSING:
+        return
+    if not isinstance(skipped, list):
+        out.field("skipped samples", _describe(skipped))
+        return
+    total = sum(e[2] for e in skipped if isinstance(e, list) and len(e) == 3 and _is_count(e[2]))
+    out.field("skipped samples", f"{total} in {len(skipped)} skips" if skipped else "none")
+    for entry in skipped[:SHOW_TASKS]:
+        if isinstance(entry, list) and len(entry) == 3:
+            epoch, before, count = entry
+            out.line(
+                f"{'':17}epoch {_scalar(epoch)}: {_scalar(count)} samples, after "
+                f"{_scalar(before)} of the epoch"
+            )
         else:
             out.line(f"{'':17}{_describe(entry)}")
     if len(skipped) > SHOW_TASKS:

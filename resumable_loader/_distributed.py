@@ -99,15 +99,31 @@ def level_sequence(order: np.ndarray, history: list[Any], drop_last: bool) -> np
     return seq
 
 
+def remaining_length(length: int, world: int, consumed: list[int], drop_last: bool) -> int:
+    """``len(remaining(seq, ...))`` for a ``seq`` of ``length``, without the sequence."""
+    total = min(length, cut_length(length, world, drop_last))
+    taken = sum(min(c, max(0, -(-(total - r) // world))) for r, c in enumerate(consumed))
+    return total - taken
+
+
+def level_length(length: int, history: list[Any], drop_last: bool) -> int:
+    """``len(level_sequence(order, ...))`` for an ``order`` of ``length``, without it."""
+    for world, consumed in history:
+        length = remaining_length(length, world, consumed, drop_last)
+    return length
+
+
 def samples_taken(tasks: int, share: int, batch_size: int | None) -> int:
     """Samples a rank consumed with ``tasks`` batches of its share of ``share`` samples."""
     return min(share, tasks * (batch_size or 1))
 
 
 # ---- re-cut for another world size ---------------------------------------------------------
-def recut(points: list[Any], plan: Any, batch_size: int | None) -> Any:
+def recut(points: list[Any], plan: Any) -> Any:
     """This rank's resume point, from the positions of every rank of a job with another world
-    size (``points[r]`` is rank r's validated ``ResumePoint``).
+    size or batch size (``points[r]`` is rank r's validated ``ResumePoint``; its ``batch`` is
+    the batch size its ``consumed`` counts in). The new level starts with nothing consumed,
+    so this loader cuts it with its own batch size.
 
     Raises:
         CheckpointError: what cannot be continued exactly (in_order=False positions, ranks in
@@ -134,6 +150,9 @@ def recut(points: list[Any], plan: Any, batch_size: int | None) -> Any:
             "step all ranks reached."
         )
     skipped = sorted({tuple(map(repr, x)): x for p in points for x in p.skipped}.values())
+    # What every rank holds alike: a Mixture's plan and the skips (skip_samples writes each
+    # into every rank's state). Without the plan a Mixture job could not resume re-cut.
+    common = {"plan": points[0].plan, "skipped_samples": points[0].skipped_samples}
     if not started and not done:
         # The epoch had not begun anywhere: a plain start, with the sampler's epoch.
         return ResumePoint(
@@ -142,6 +161,7 @@ def recut(points: list[Any], plan: Any, batch_size: int | None) -> Any:
             distributed=True,
             sampler_epoch=points[0].sampler_epoch,
             skipped=skipped,
+            **common,
         )
     ref = (started or within)[0]
     if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
@@ -152,7 +172,7 @@ def recut(points: list[Any], plan: Any, batch_size: int | None) -> Any:
     seq = level_sequence(epoch_order(sampler, ref.sampler_epoch), ref.history, sampler.drop_last)
     share = cut_length(len(seq), world, sampler.drop_last) // world
     taken = [
-        share if p.epoch != epoch else samples_taken(p.consumed, share, batch_size) for p in points
+        share if p.epoch != epoch else samples_taken(p.consumed, share, p.batch) for p in points
     ]
     history = [*ref.history, [world, taken]]
     left = len(remaining(seq, world, taken, sampler.drop_last))
@@ -164,6 +184,7 @@ def recut(points: list[Any], plan: Any, batch_size: int | None) -> Any:
         sampler_epoch=ref.sampler_epoch,
         history=history,
         skipped=skipped,
+        **common,
     )
 
 

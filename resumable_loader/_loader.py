@@ -14,6 +14,7 @@ have yielded next.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import multiprocessing
@@ -31,6 +32,7 @@ from torch.utils.data import Dataset, Sampler, SequentialSampler
 from . import _distributed as D
 from . import _fingerprint as F
 from . import _schema as S
+from ._cursor import Cut, check_cut
 from ._errors import CheckpointError, LoaderClosedError
 from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
 from ._lifecycle import Cursor
@@ -253,6 +255,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._epoch_rng: str | None = None  # a fast-forwarded sampler's generator at iter()
         self._next_epoch = 0
         self._resume: S.ResumePoint | None = None
+        self._skipped_samples: list[list[int]] = []  # skip_samples() records, for the state
         self._active: Callable[[], BaseIter | None] = lambda: None
         # The position of the latest iterator; it outlives the iterator (see _lifecycle).
         self._cursor: Cursor | None = None
@@ -299,6 +302,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         # to load_state_dict() is continued instead.
         rp, self._resume = self._resume, None
         epoch = rp.epoch if rp is not None else self._next_epoch
+        # Where the epoch is cut from: a resume with another batch size or a skip moved it.
+        self._plan.cut = rp.cut if rp is not None and self._plan.kind == BUILTIN else None
         if self._plan.kind == DISTRIBUTED:
             self._seed = self._distributed_epoch(rp)
         else:
@@ -557,11 +562,14 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             # this loader's data (so a resume from it on the same data checks clean).
             pending = copy.copy(self._resume)
             pending.dataset = data
-            pending.plan = self.dataset.state_dict() if isinstance(self.dataset, Mixture) else None
+            if pending.dataset_changes:
+                mix = self.dataset
+                pending.plan = mix.state_dict() if isinstance(mix, Mixture) else None
             return pending.to_state(self._config)
         if cursor is not None and not cursor.finished:
             rp: S.ResumePoint = cursor.position()
             rp.seed = self._seed
+            rp.cut = self._plan.cut
             if self._delivered_to_its_end(rp):
                 # Only StopIteration is left of this epoch: say so as the state after it does,
                 # so a resume (and a trainer counting epochs, such as Lightning) starts the
@@ -584,6 +592,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             # between epochs: as the next epoch begins.
             rp.sampler_rng = self._epoch_rng if rp.seed is not None else encode_generator(gen)
         rp.skipped = [list(x) for x in self._counters.skipped]
+        rp.skipped_samples = [list(x) for x in self._skipped_samples]
         rp.dataset = data
         return rp.to_state(self._config)
 
@@ -620,7 +629,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 rp.sampler_done and not rp.outstanding and not rp.ahead and rp.consumed == rp.drawn
             )
         if kind == BUILTIN:
-            return rp.consumed >= len(self)
+            return rp.consumed >= self._plan.cut_tasks(self._plan.cut)
         if kind == DISTRIBUTED:
             return rp.consumed >= self._plan.distributed_tasks(*self._plan.dist_position)
         return False
@@ -657,22 +666,98 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if D.is_global(state_dict):
             states = D.split_global(state_dict)
             world, rank = self._config["world_size"], self._config["rank"]
-            if len(states) != world or self._plan.kind != DISTRIBUTED:
-                # Another world size (re-cut), or a sampler that cannot be re-cut: the
-                # re-cut says which.
-                self._load_checked(self._recut(states, data), None, policy)
+            if (
+                len(states) != world
+                or self._plan.kind != DISTRIBUTED
+                or any(not self._same_batch(sd) for sd in states)
+            ):
+                # Another world size or batch size (re-cut), or a sampler that cannot be
+                # re-cut: the re-cut says which.
+                self._load_checked(self._recut(states, data), None, policy, rebatch=True)
                 return
             state_dict = states[rank]
         rp = S.ResumePoint.from_state(
             state_dict, self._config, stateful, dataset=data, dataset_change_ok=True
         )
-        self._load_checked(rp, state_dict, policy)
+        same = self._same_batch(state_dict) and (rp.cut is None or self._plan.kind == BUILTIN)
+        self._load_checked(rp, state_dict, policy, rebatch=not same)
+
+    def _same_batch(self, sd: Any) -> bool:
+        cfg = sd.get(S.K_CONFIG) if isinstance(sd, dict) else None
+        return isinstance(cfg, dict) and S.same_state(cfg.get("batch_size"), self.batch_size)
+
+    def _rebatch(self, rp: S.ResumePoint) -> S.ResumePoint:
+        """A position saved with another batch size, as this loader's: the samples consumed
+        become a sample cut (``_cursor``) from which this loader's batches are cut. Pure: the
+        loader is not changed.
+
+        Raises:
+            CheckpointError: a sampler whose position cannot be re-cut, with what to do.
+        """
+        kind = self._plan.kind
+        mine = self.batch_size
+        if kind != BUILTIN and rp.cut is not None:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_CUT}: a sample cut, but this loader's "
+                f"sampler ({self._plan.description}) is not one of torch's Sequential/"
+                "RandomSampler. The state is damaged, or from a loader with another sampler."
+            )
+        if S.same_state(rp.batch, mine):
+            return rp
+        saved = f"batch_size={rp.batch}, this loader has batch_size={mine}"
+        if kind == DISTRIBUTED:
+            raise CheckpointError(
+                f"cannot load DataLoader state: config.batch_size: the checkpoint has {saved}. "
+                "With a DistributedSampler another batch size re-cuts the whole job's position, "
+                "which one rank's state does not hold: load the job's global state (saved by "
+                "torch.distributed.checkpoint, or resumable_loader.merge_rank_states([the state "
+                "of every rank])) on every rank."
+            )
+        if kind != BUILTIN:
+            what = (
+                "a sampler with its own state_dict()"
+                if kind == STATEFUL
+                else "a batch_sampler or sampler whose order only replaying it reproduces"
+            )
+            raise CheckpointError(
+                f"cannot load DataLoader state: config.batch_size: the checkpoint has {saved}. "
+                f"This loader's position is counted in batches of {what} "
+                f"({self._plan.description}), which cannot be re-cut into other batches. Resume "
+                f"with batch_size={rp.batch}, or use shuffle=True/False, a DistributedSampler "
+                "or a Mixture, whose position is a sample cursor."
+            )
+        n = self._plan.epoch_samples()
+        assert n is not None
+        cut = rp.cut or Cut()
+        try:
+            cut = cut.advance(n, rp.batch or 1, rp.consumed, rp.ahead)
+        except ValueError as e:
+            raise CheckpointError(
+                f"cannot load DataLoader state: consumed: {e} (batch_size={rp.batch}). Build "
+                "the loader over the dataset of the checkpoint."
+            ) from None
+        # The rest of the epoch is cut from the first sample not consumed, with this batch size:
+        # the seed, and hence the order and the per-sample seeds, are the epoch's own.
+        return dataclasses.replace(
+            rp,
+            cut=None if cut.is_trivial else cut,
+            consumed=0,
+            ahead=frozenset(),
+            batch=mine,
+            source=None,
+        )
 
     def _load_checked(
-        self, rp: S.ResumePoint, state_dict: dict[str, Any] | None, policy: str
+        self,
+        rp: S.ResumePoint,
+        state_dict: dict[str, Any] | None,
+        policy: str,
+        *,
+        rebatch: bool,
     ) -> None:
-        """``_load_point``, after the dataset check: refuse changed data, or note the changes
-        in ``rp`` and warn of them once the state is loaded."""
+        """``_load_point`` (of the position re-cut for this batch size, if ``rebatch``), after
+        the dataset check: refuse changed data, or note the changes in ``rp`` and warn of them
+        once the state is loaded."""
         mix = self.dataset
         if isinstance(mix, Mixture) and rp.plan is not None:
             rp.dataset_changes = [*rp.dataset_changes, *plan_changes(mix, rp.plan)]
@@ -680,7 +765,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if changes and policy == F.RAISE:
             raise F.changed_error(changes)
         try:
-            self._load_point(rp, state_dict)
+            if rebatch:
+                self._load_point(self._rebatch(rp), None)
+            else:
+                self._load_point(rp, state_dict)
         except CheckpointError as e:
             if not changes:
                 raise
@@ -718,13 +806,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
             for r, sd in enumerate(states)
         ]
-        rp: S.ResumePoint = D.recut(points, self._plan, self._batching_size())
+        rp: S.ResumePoint = D.recut(points, self._plan)
+        rp.batch = self.batch_size  # a fresh level: nothing of it consumed yet
         # Every rank read the same data: its changes, once each.
         rp.dataset_changes = list(dict.fromkeys(c for p in points for c in p.dataset_changes))
         return rp
-
-    def _batching_size(self) -> int | None:
-        return self.batch_size if self._auto_collation else None
 
     def _load_point(self, rp: S.ResumePoint, state_dict: dict[str, Any] | None) -> None:
         for tid, idx in rp.outstanding:
@@ -735,25 +821,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                     f"task of this loader is {shape}. The state is damaged, or from a loader "
                     "that batches differently."
                 )
-        if self._plan.kind == DISTRIBUTED:
-            share = self._plan.distributed_tasks(rp.sampler_epoch, rp.history)
-            if rp.consumed + len(rp.ahead) > share:
-                raise CheckpointError(
-                    f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
-                    f"batches consumed, but this rank's share of the epoch has only {share}. "
-                    "Build the loader with the dataset, batch size and sampler of the checkpoint."
-                )
-        if self._plan.kind in (BUILTIN, FASTFORWARD):
-            try:
-                total = len(self)
-            except TypeError:
-                total = None
-            if total is not None and rp.consumed + len(rp.ahead) > total:
-                raise CheckpointError(
-                    f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
-                    f"batches consumed, but an epoch of this loader has only {total}. Build the "
-                    "loader with the dataset and batch size of the checkpoint."
-                )
+        self._check_fits(rp)
         self._load_plan(rp)
         gen = self._plan.sampler_generator
         if (gen is None) != (rp.sampler_rng is None) and rp.seed is not None:
@@ -766,6 +834,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if gen is not None and rp.sampler_rng is not None:
             gen.set_state(decode_generator(rp.sampler_rng))
         rp.source = copy.deepcopy(state_dict) if state_dict is not None else None
+        if rp.source is not None:
+            # An older version read as this one (``S.UPGRADABLE``) is saved again as this one.
+            rp.source[S.K_VERSION] = S.VERSION
         if rp.distributed:
             # Its epoch, as a script that calls set_epoch() before each epoch would set it.
             self._plan.sampler.set_epoch(rp.sampler_epoch)
@@ -784,6 +855,36 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._resume = rp
         self._next_epoch = rp.epoch
         self._counters.skipped = [[e, t, S.plain_indices(i)] for e, t, i in rp.skipped]
+        self._skipped_samples = [list(x) for x in rp.skipped_samples]
+
+    def _check_fits(self, rp: S.ResumePoint) -> None:
+        """The position lies inside an epoch of this loader."""
+        if self._plan.kind == DISTRIBUTED:
+            share = self._plan.distributed_tasks(rp.sampler_epoch, rp.history)
+            if rp.consumed + len(rp.ahead) > share:
+                raise CheckpointError(
+                    f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
+                    f"batches consumed, but this rank's share of the epoch has only {share}. "
+                    "Build the loader with the dataset, batch size and sampler of the checkpoint."
+                )
+        if self._plan.kind == BUILTIN and rp.cut is not None:
+            _, problem = check_cut(rp.cut.to_state(), self._plan.epoch_samples())
+            if problem is not None:
+                raise CheckpointError(
+                    f"cannot load DataLoader state: {S.K_CUT}: {problem}. The state is damaged, "
+                    "or from another dataset."
+                )
+        if self._plan.kind in (BUILTIN, FASTFORWARD):
+            try:
+                total = len(self) if rp.cut is None else self._plan.cut_tasks(rp.cut)
+            except TypeError:
+                total = None
+            if total is not None and rp.consumed + len(rp.ahead) > total:
+                raise CheckpointError(
+                    f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
+                    f"batches consumed, but an epoch of this loader has only {total}. Build the "
+                    "loader with the dataset and batch size of the checkpoint."
+                )
 
     def _load_plan(self, rp: S.ResumePoint) -> None:
         """A ``Mixture``'s plan from the state: the last check that can refuse it (the mixture
@@ -808,14 +909,18 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 "is a Mixture. The state was taken over another dataset."
             )
         n = len(mix)
-        begun = rp.consumed or rp.ahead or rp.history or rp.drawn
+        begun = rp.consumed or rp.ahead or rp.history or rp.drawn or rp.cut is not None
         at = rp.epoch * n
         if begun:
             sequential = (
                 self._plan.kind == BUILTIN and type(self._plan.sampler) is SequentialSampler
             )
-            per_task = self.batch_size if self._auto_collation else 1
-            at = at + rp.consumed * (per_task or 1) if sequential and not rp.ahead else at + n
+            cut = rp.cut or Cut()
+            if sequential and not rp.ahead and not cut.holes:
+                # Consumed (or skipped): the positions before the rest's first unconsumed one.
+                at += cut.advance(n, self._plan.per_task(), rp.consumed).start
+            else:
+                at += n
         load_plan(mix, rp.plan, resume_at=at, changes_ok=bool(rp.dataset_changes))
 
     def statistics(self) -> LoaderStatistics:

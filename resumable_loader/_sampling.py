@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from . import _distributed as D
+from ._cursor import Cut
 from ._samplers import BatchSampler as _OurBatchSampler
 from ._samplers import RandomSampler as _OurRandomSampler
 from ._samplers import shuffle_order
@@ -127,6 +128,33 @@ class IndexPlan:
         # set by the loader before it asks for the epoch (see ``distributed_share``).
         self.dist_position: tuple[int, list[Any]] = (0, [])
         self._share_cache: tuple[Any, np.ndarray] | None = None
+        # BUILTIN: where the epoch being iterated is cut from (a resume with another batch
+        # size, or a skip); None: from position 0. Set by the loader at each iter().
+        self.cut: Cut | None = None
+
+    def epoch_samples(self) -> int | None:
+        """The positions of one epoch's order: built-in samplers (the RandomSampler's
+        ``num_samples``, else the dataset's length) and a DistributedSampler (the dataset's
+        length, before torch's cut for the ranks); None for the rest."""
+        if self.kind == BUILTIN:
+            inner = self._inner
+            if type(inner) is SequentialSampler:
+                return len(inner.data_source)
+            return int(inner.num_samples)
+        if self.kind == DISTRIBUTED:
+            return len(self._inner.dataset)
+        return None
+
+    def per_task(self) -> int:
+        """Samples per task: the batch size, or 1 without auto-batching."""
+        return self._batching()[0] or 1
+
+    def cut_tasks(self, cut: Cut | None) -> int:
+        """BUILTIN: how many tasks an epoch cut by ``cut`` (None: from 0) makes."""
+        n = self.epoch_samples()
+        assert n is not None
+        bs, drop_last = self._batching()
+        return (cut or Cut()).tasks(n, bs or 1, drop_last)
 
     def distributed_share(self, sampler_epoch: int, history: list[Any]) -> np.ndarray:
         """This rank's sample indices of the epoch at the level after ``history`` (cached)."""
@@ -200,7 +228,7 @@ class IndexPlan:
         if self.kind == DISTRIBUTED:
             share = self.distributed_share(*self.dist_position)
             return _BuiltinEpoch(share, self._batching(), start)
-        return _BuiltinEpoch(self._order(base_seed), self._batching(), start)
+        return _BuiltinEpoch(self._order(base_seed), self._batching(), start, self.cut)
 
     def _batching(self) -> tuple[int | None, bool]:
         if not self._auto:
@@ -249,19 +277,30 @@ class _SeededDraws(Iterator[Any]):
 
 
 class _BuiltinEpoch(Iterator[Any]):
-    """Random access into one epoch's order: task ``t`` is computed, not iterated to."""
+    """Random access into one epoch's order: task ``t`` is computed, not iterated to.
 
-    __slots__ = ("_bs", "_n", "_ntasks", "_order", "_pos")
+    With a ``cut`` (see ``_cursor``), the tasks are the batches of the rest of the epoch it
+    names, cut from its start; task ``t`` is still computed, in O(holes)."""
 
-    def __init__(self, order: np.ndarray | int, batching: tuple[int | None, bool], start: int):
+    __slots__ = ("_bs", "_cut", "_n", "_ntasks", "_order", "_pos")
+
+    def __init__(
+        self,
+        order: np.ndarray | int,
+        batching: tuple[int | None, bool],
+        start: int,
+        cut: Cut | None = None,
+    ):
         self._order = None if isinstance(order, int) else order
         self._n = order if isinstance(order, int) else len(order)
+        self._cut = None if cut is None or cut.is_trivial else cut
+        left = self._n if self._cut is None else self._cut.left(self._n)
         bs, drop_last = batching
         self._bs = bs
         if bs is None:
-            self._ntasks = self._n
+            self._ntasks = left
         else:
-            self._ntasks = self._n // bs if drop_last else math.ceil(self._n / bs)
+            self._ntasks = left // bs if drop_last else math.ceil(left / bs)
         if start > self._ntasks:
             raise IndexError(
                 f"the epoch has only {self._ntasks} batches, but the state says {start} were "
@@ -280,6 +319,12 @@ class _BuiltinEpoch(Iterator[Any]):
         self._pos = t + 1
         bs = self._bs
         order = self._order
+        if self._cut is not None:
+            a = t * (bs or 1)
+            pos = self._cut.positions(a, min(a + (bs or 1), self._cut.left(self._n)))
+            if order is not None:
+                pos = order[pos]
+            return int(pos[0]) if bs is None else pos.tolist()
         if bs is None:
             return t if order is None else int(order[t])
         a = t * bs

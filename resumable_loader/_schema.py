@@ -29,6 +29,13 @@ is json-able) and msgpack (``dump_state``). Keys:
                           after ``state_at`` of them (the rest are replayed on resume); and
                           the worker whose batch comes next
     skipped               poison tasks skipped so far: [epoch, task id, indices]
+    skipped_samples       samples skipped by ``skip_samples`` (read never): [epoch, samples of
+                          that epoch consumed or skipped before, count]
+    sample_cut            built-in samplers only, and only once a resume with another batch
+                          size or a skip moved the cut: {start, holes}: the rest of the epoch
+                          is its positions [start, n) minus holes [[first, count], ...]
+                          (delivered ahead), and ``consumed``/``delivered_ahead`` count the
+                          batches of *that* rest (see ``_cursor``). Absent: cut from position 0
     sampler_generator     a fast-forwarded sampler's own generator (SubsetRandomSampler(...,
                           generator=g)): its state at the epoch's start (inside an epoch) or
                           now (between epochs); absent for other samplers
@@ -51,15 +58,21 @@ from typing import Any
 
 from . import _fingerprint as F
 from ._codec import MAX_DEPTH, clip_repr, clip_text
+from ._cursor import Cut, check_cut
 from ._errors import CheckpointError
 from ._seeding import check_chain, check_generator
 
 FORMAT = "resumable_loader.DataLoader"
+# 4: the position may be a sample cursor (``sample_cut``), and skips are recorded
+# (``skipped_samples``): a version-3 reader would ignore the cut and resume at the wrong sample,
+# so it must refuse these states. A version-3 state is a version-4 state without those keys (the
+# epoch cut from position 0, nothing skipped): it is read as one (``UPGRADABLE``).
 # 3: the seed chain (the source of every later epoch's seed) is part of the state, so later
 # epochs no longer depend on the resumed process's RNGs. 2: the epoch's seed was drawn at each
 # iter() from the generator or the global RNG, which a version-2 state does not hold: its later
 # epochs cannot be honoured, so it is refused (as is version 1, one seed per loader).
-VERSION = 3
+VERSION = 4
+UPGRADABLE = (3,)
 
 K_FORMAT = "format"
 K_VERSION = "version"
@@ -79,6 +92,8 @@ K_NEXT_WORKER = "next_worker"
 K_SKIPPED = "skipped"
 K_PLAN = "data_plan"
 K_SAMPLER_RNG = "sampler_generator"
+K_SKIPPED_SAMPLES = "skipped_samples"
+K_CUT = "sample_cut"
 K_DATASET = "dataset"
 
 # The top-level keys, in the order a state holds them (and the CLI's summary shows them).
@@ -90,7 +105,9 @@ KNOWN_KEYS = (
     K_CHAIN,
     K_DIST,
     K_SKIPPED,
+    K_SKIPPED_SAMPLES,
     K_EPOCH,
+    K_CUT,
     K_CONSUMED,
     K_AHEAD,
     K_SAMPLER_STATE,
@@ -104,12 +121,13 @@ KNOWN_KEYS = (
     K_DATASET,
 )
 
-# Config fields that must match for a state to be loaded; num_workers only for streams (a
-# map-style batch does not depend on which worker loads it; a stream's shards do). dataset_len
+# Config fields that must match for a state to be loaded; num_workers and batch_size only for
+# streams (a map-style batch does not depend on which worker loads it; a stream's shards do, and
+# its position is in fetches). A map-style state's batch size may differ: the loader re-cuts the
+# position in samples where its sampler allows it (``DataLoader.load_state_dict``). dataset_len
 # is checked with the rest of the data (``_fingerprint``): a load may opt to continue past it.
 MUST_MATCH = (
     "dataset_kind",
-    "batch_size",
     "drop_last",
     "sampler",
     "world_size",
@@ -118,7 +136,8 @@ MUST_MATCH = (
 
 _FIX = {
     "dataset_kind": "load the state into a loader over the same kind of dataset",
-    "batch_size": "build the loader with the batch_size the checkpoint was taken with",
+    "batch_size": "an iterable dataset's position is in batches fetched per worker: build the "
+    "loader with the batch_size the checkpoint was taken with",
     "drop_last": "build the loader with the drop_last the checkpoint was taken with",
     "sampler": "build the loader with the same sampler / shuffle setting as the checkpoint",
     "world_size": "resume with the same number of ranks, or -- with a DistributedSampler -- "
@@ -175,7 +194,11 @@ class ResumePoint:
     history: list[Any] = field(default_factory=list)
     plan: dict[str, Any] | None = None
     sampler_rng: str | None = None
+    cut: Cut | None = None  # the rest of the epoch as positions (see ``_cursor``)
+    skipped_samples: list[list[int]] = field(default_factory=list)
     dataset: dict[str, Any] | None = None  # the data's record (``_fingerprint.record``)
+    # The batch size ``consumed`` and ``ahead`` count in: the state's config.batch_size, as read.
+    batch: int | None = field(default=None, compare=False)
     stateful: bool = False
     iterable: bool = False
     distributed: bool = False
@@ -192,7 +215,12 @@ class ResumePoint:
             K_SEED: self.seed,
             K_CHAIN: self.chain,
             K_SKIPPED: [[e, t, plain_indices(i)] for e, t, i in self.skipped],
+            K_SKIPPED_SAMPLES: [list(x) for x in self.skipped_samples],
             K_EPOCH: self.epoch,
+        }
+        if self.cut is not None and not self.cut.is_trivial:
+            sd[K_CUT] = self.cut.to_state()
+        sd |= {
             K_CONSUMED: self.consumed,
             K_AHEAD: sorted(self.ahead),
         }
@@ -374,6 +402,14 @@ def parse_state(
     if str(config["sampler"]).startswith("distributed("):
         _read_distributed(sd, rp)
     rp.skipped = _read_skipped(sd)
+    rp.skipped_samples = _read_skipped_samples(sd)
+    cut, problem = check_cut(sd.get(K_CUT), None)
+    if problem is not None:
+        raise _fail(K_CUT, f"{problem}, got {clip_repr(sd.get(K_CUT))}", "the state is damaged")
+    if cut is not None and rp.stateful:
+        raise _fail(K_CUT, "a stateful sampler's state has no sample cut", "the state is damaged")
+    rp.cut = cut
+    rp.batch = sd[K_CONFIG].get("batch_size")
     plan = sd.get(K_PLAN)
     if plan is not None and not isinstance(plan, dict):
         raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
@@ -539,15 +575,23 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
             "this is not a resumable_loader DataLoader state (a model or optimizer state?)",
         )
     version = sd.get(K_VERSION)
-    if not _same(version, VERSION):
+    if not (_same(version, VERSION) or any(_same(version, v) for v in UPGRADABLE)):
         raise _fail(
             K_VERSION,
-            f"this library reads version {VERSION}, the state is version {clip_repr(version)}",
+            f"this library reads versions {[*UPGRADABLE, VERSION]}, the state is version "
+            f"{clip_repr(version)}",
             "load it with the resumable_loader release that wrote it",
         )
     cfg = sd.get(K_CONFIG)
     if not isinstance(cfg, dict):
         raise _fail(K_CONFIG, f"expected a dict, got {type(cfg).__name__}", "the state is damaged")
+    batch = cfg.get("batch_size")
+    if batch is not None and (type(batch) is not int or batch < 1):
+        raise _fail(
+            "config.batch_size",
+            f"expected None or an int >= 1, got {clip_repr(batch)}",
+            "the state is damaged",
+        )
     saved_len = cfg.get("dataset_len")
     if saved_len is not None and (type(saved_len) is not int or saved_len < 0):
         raise _fail(
@@ -557,7 +601,7 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
         )
     fields = list(MUST_MATCH)
     if config["dataset_kind"] == "iterable":
-        fields.append("num_workers")
+        fields += ["batch_size", "num_workers"]
     for name in fields:
         theirs = cfg.get(name)
         if _same(theirs, config[name]):
@@ -684,6 +728,20 @@ def _read_skipped(sd: dict[str, Any]) -> list[Any]:
         raise _fail(
             K_SKIPPED,
             f"expected [[epoch, task id, indices], ...], got {clip_repr(skipped)}",
+            "the state is damaged",
+        )
+    return [list(x) for x in skipped]
+
+
+def _read_skipped_samples(sd: dict[str, Any]) -> list[list[int]]:
+    skipped = sd.get(K_SKIPPED_SAMPLES, [])
+    if not isinstance(skipped, list) or not all(
+        isinstance(x, list) and len(x) == 3 and all(type(v) is int and v >= 0 for v in x)
+        for x in skipped
+    ):
+        raise _fail(
+            K_SKIPPED_SAMPLES,
+            f"expected [[epoch, samples before, count], ...], got {clip_repr(skipped)}",
             "the state is damaged",
         )
     return [list(x) for x in skipped]

@@ -8,6 +8,7 @@ be compared batch for batch.
 
 Helpers:
     ``collect_torch_reference_garbage()``  run torch's loader first, then this, then ours.
+    ``torch_error_type(**kw)``  the error torch's loader raises, its workers stopped at once.
     ``loader_state(**overrides)``     a plain state shaped like ``DataLoader.state_dict()`` (two
                                       stream workers, mid-epoch), for the codec and CLI tests.
 
@@ -351,6 +352,45 @@ def collect_torch_reference_garbage() -> None:
     import gc
 
     gc.collect()
+
+
+def torch_error_type(**kwargs: Any) -> type[BaseException]:
+    """The type of the error torch's own DataLoader(**kwargs) raises when iterated.
+
+    After a worker's error torch's shutdown joins each worker with a 5 s timeout (its
+    MP_STATUS_CHECK_INTERVAL), and its workers do not exit within it: 10 s per reference run
+    with two workers. The reference needs only the error, so its workers are killed once it
+    is raised (their pids unregistered first, or torch's SIGCHLD handler would report them as
+    crashed), and its garbage is collected before ours runs.
+    """
+    import gc
+
+    from torch.utils.data._utils import signal_handling
+
+    loader = torch.utils.data.DataLoader(**kwargs)
+    it: Any = None
+    try:
+        it = iter(loader)  # with no workers, the dataset's __iter__ runs here
+        for _ in it:
+            pass
+    except BaseException as e:
+        error = type(e)
+    else:
+        raise AssertionError(f"torch's DataLoader({kwargs}) raised nothing")
+    finally:
+        workers = getattr(it, "_workers", [])
+        if getattr(it, "_worker_pids_set", False):
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+        for w in workers:
+            w.kill()
+        for w in workers:
+            w.join()
+        if workers:
+            it._shutdown_workers()
+        del it, loader
+    gc.collect()
+    return error
 
 
 def loader_state(**overrides: Any) -> dict[str, Any]:

@@ -63,7 +63,8 @@ class Manifest(Corpus):
 def make(ds: Dataset, shuffle: bool = True, seed: int = 7, **kw: Any) -> DataLoader:
     gen = torch.Generator()
     gen.manual_seed(seed)
-    return DataLoader(ds, batch_size=B, shuffle=shuffle, generator=gen, **kw)
+    kw.setdefault("batch_size", B)
+    return DataLoader(ds, shuffle=shuffle, generator=gen, **kw)
 
 
 def flat(batches: Any) -> list[list[int]]:
@@ -222,6 +223,20 @@ def test_continue_resumes_by_position_on_the_new_data_with_one_warning(
     assert two_epochs(resumed) == [want[0][K:], want[1]]
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_continue_with_another_batch_size_keeps_the_sample_position(shuffle: bool) -> None:
+    # The position is a sample cursor: K batches of B consumed on the old data are the first
+    # K*B samples of the new data's order, whatever batch size cuts the rest.
+    sd = saved_after(make(Manifest(), shuffle=shuffle))
+    new = Manifest(N + 5, base=1000, fp="sha256:v2")
+    order = [x for b in flat(make(new, shuffle=shuffle)) for x in b]
+    resumed = make(new, shuffle=shuffle, batch_size=3)
+    assert len(load_quietly(resumed, sd, on_dataset_change="continue")) == 1
+    rest = flat(resumed)
+    assert [x for b in rest for x in b] == order[K * B :]
+    assert {len(b) for b in rest[:-1]} == {3}
+
+
 def test_a_sampler_num_samples_given_explicitly_stays_the_samplers() -> None:
     # RandomSampler's num_samples follows the dataset's length unless given: one given equal to
     # the old length is the same sampler over the grown data, not a changed sampler.
@@ -267,6 +282,9 @@ def test_continue_past_the_end_of_the_new_data_is_refused_clearly() -> None:
         on_dataset_change="continue",
     )
     assert "IndexError" not in msg
+    # The same with another batch size: the sample cursor (20) is past the new end (12).
+    other = make(Manifest(12, fp="sha256:v2"), shuffle=False, batch_size=3)
+    refused(other, sd, "consumed", "must fit the new data", on_dataset_change="continue")
 
 
 def test_an_outstanding_batch_past_the_end_of_the_new_data_is_refused() -> None:

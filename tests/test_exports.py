@@ -23,6 +23,7 @@ PUBLIC = [
     "load_state",
     "merge_rank_states",
     "save_checkpoint",
+    "skip_samples",
 ]
 
 TESTING = [

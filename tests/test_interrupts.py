@@ -48,7 +48,7 @@ EXIT_S = 60.0
 GROUP_GONE_S = 10.0
 
 CHILD = r"""
-import json, logging, os, signal, sys, threading
+import json, logging, os, select, signal, sys
 
 import torch
 from _datasets import RandomAugDataset
@@ -69,9 +69,21 @@ logger = logging.getLogger("resumable_loader")
 logger.setLevel(logging.INFO)
 logger.addHandler(handler)
 
-preempted = threading.Event()
+# The preemption handler only sets a flag: a handler that takes a lock (threading.Event.set)
+# deadlocks when the signal lands while the main thread holds that same lock, as it does for a
+# few instructions inside Event.wait(). The "training step" below waits on the C-level wakeup
+# fd instead, which any thread that receives the signal writes to.
+preempted = False
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
 if cfg["mode"] == "sigterm":
-    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.set())
+
+    def on_sigterm(signum, frame):
+        global preempted
+        preempted = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.set_wakeup_fd(wake_w)
 
 dataset = RandomAugDataset(cfg["n"])
 if cfg["hang"] is not None:
@@ -95,7 +107,10 @@ def report_and_train() -> bool:
     # Ctrl-C or SIGTERM ends; False if neither came.
     ready.write("ready\n")
     ready.flush()
-    return cfg["hang"] is not None or preempted.wait(cfg["wait_s"])
+    if cfg["hang"] is not None:
+        return True
+    select.select([wake_r], [], [], cfg["wait_s"])  # Ctrl-C raises out of it
+    return preempted
 
 
 def start_epoch():
@@ -113,11 +128,11 @@ with open(os.path.join(out, "batches"), "w") as batches:
             if step == cfg["k"] and not report_and_train():
                 how = "no signal came"
                 break
-            if preempted.is_set():
+            if preempted:
                 how = "preempted"
                 break
         else:
-            if preempted.is_set():
+            if preempted:
                 how = "preempted"
     except KeyboardInterrupt:
         how = "interrupted"

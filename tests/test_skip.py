@@ -1,0 +1,307 @@
+"""``skip_samples`` and ``python -m resumable_loader skip``: a state n samples further along,
+reading nothing. Compared against the uninterrupted run with those n samples removed, and the
+fetches counted (the skipped samples are never fetched)."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _datasets import RangeDataset, ShardedStream
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from resumable_loader import (
+    CheckpointError,
+    DataLoader,
+    Mixture,
+    dump_state,
+    load_state,
+    merge_rank_states,
+    skip_samples,
+)
+from resumable_loader.__main__ import format_summary, main
+
+FAST = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class Counting(Dataset):
+    """Item i is i; every fetch is recorded (num_workers=0: in this process)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.fetched: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        self.fetched.append(int(i))
+        return int(i)
+
+
+def _flat(batches: Any) -> list[int]:
+    out: list[int] = []
+    for b in batches:
+        out += b.tolist() if isinstance(b, torch.Tensor) else [int(b)]
+    return out
+
+
+def _loader(ds: Any, b: int | None, shuffle: bool, seed: int = 4, **kw: Any) -> DataLoader:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return DataLoader(ds, batch_size=b, shuffle=shuffle, generator=g, **kw)
+
+
+@FAST
+@given(
+    n=st.integers(1, 30),
+    b=st.sampled_from([None, 1, 3, 4]),
+    b2=st.sampled_from([None, 2, 5]),
+    k=st.integers(0, 8),
+    skip=st.integers(0, 30),
+    shuffle=st.booleans(),
+    twice=st.booleans(),
+)
+def test_skip_is_the_uninterrupted_stream_without_those_samples(
+    n: int, b: int | None, b2: int | None, k: int, skip: int, shuffle: bool, twice: bool
+) -> None:
+    order = _flat(_loader(Counting(n), None, shuffle))  # the epoch, never interrupted
+    ds = Counting(n)
+    first = _loader(ds, b, shuffle)
+    it = iter(first)
+    per = b or 1
+    k = min(k, -(-n // per) - 1)  # stay inside the epoch
+    before = _flat(next(it) for _ in range(k))
+    assert before == order[: len(before)]
+    state = first.state_dict()
+    left = n - len(before)
+    skip = min(skip, left)
+    parts = [skip // 2, skip - skip // 2] if twice else [skip]
+    for part in parts:
+        state = skip_samples(state, part)
+    ds.fetched.clear()
+    second = _loader(ds, b2, shuffle, seed=11)  # another generator: the state's chain wins
+    second.load_state_dict(load_state(dump_state(state)))
+    after = _flat(second)
+    assert after == order[len(before) + skip :]
+    assert ds.fetched == after  # nothing fetched for the skipped samples
+    assert sum(e[2] for e in state["skipped_samples"]) == skip
+    # The next epoch is whole again, as in the uninterrupted run.
+    ref = _loader(Counting(n), b2, shuffle)
+    list(ref)
+    assert _flat(second) == _flat(ref)
+
+
+def test_skip_in_a_mixture_reads_none_of_the_skipped_samples() -> None:
+    a, c = Counting(7), Counting(5)
+    mix = Mixture({"a": a, "c": c}, {"a": 2, "c": 1}, seed=3)
+    ref = [mix[i] for i in range(len(mix))]
+    a.fetched.clear()
+    c.fetched.clear()
+    loader = DataLoader(mix, batch_size=2)
+    it = iter(loader)
+    before = _flat([next(it), next(it)])
+    state = skip_samples(loader.state_dict(), 5)
+    a.fetched.clear()
+    c.fetched.clear()
+    mix2 = Mixture({"a": a, "c": c}, {"a": 2, "c": 1}, seed=3)
+    resumed = DataLoader(mix2, batch_size=3)
+    resumed.load_state_dict(state)
+    after = _flat(resumed)
+    assert before + after == ref[:4] + ref[9:]
+    assert len(a.fetched) + len(c.fetched) == len(after)
+
+
+def test_a_skip_past_the_epoch_end_is_refused_and_changes_nothing() -> None:
+    loader = _loader(RangeDataset(10), 4, True)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    copy = load_state(dump_state(state))
+    with pytest.raises(CheckpointError, match="only 6 are left of epoch 0"):
+        skip_samples(state, 7)
+    assert state == copy
+    end = skip_samples(state, 6)  # to the end exactly: the epoch has nothing left
+    again = _loader(RangeDataset(10), 4, True)
+    again.load_state_dict(end)
+    assert list(again) == []
+    assert len(list(again)) == 3  # the next epoch, whole
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: DataLoader(ShardedStream(8), batch_size=2), "iterable dataset"),
+        (
+            lambda: DataLoader(
+                RangeDataset(8), sampler=DistributedSampler(RangeDataset(8), 2, 0), batch_size=2
+            ),
+            "global state",
+        ),
+        (
+            lambda: DataLoader(
+                RangeDataset(8), sampler=torch.utils.data.SubsetRandomSampler(range(8))
+            ),
+            "replayed",
+        ),
+    ],
+    ids=["stream", "one-rank", "replayed-sampler"],
+)
+def test_positions_that_cannot_move_without_reading_are_refused(make: Any, match: str) -> None:
+    with pytest.raises(CheckpointError, match=match):
+        skip_samples(make().state_dict(), 1)
+
+
+def test_bad_counts_are_refused() -> None:
+    state = DataLoader(RangeDataset(4)).state_dict()
+    with pytest.raises(ValueError, match=">= 0"):
+        skip_samples(state, -1)
+    with pytest.raises(TypeError):
+        skip_samples(state, True)
+
+
+def _ranks(n: int, world: int, b: int) -> list[DataLoader]:
+    ds = RangeDataset(n)
+    return [
+        DataLoader(ds, batch_size=b, sampler=DistributedSampler(ds, world, r, seed=2))
+        for r in range(world)
+    ]
+
+
+def _ids(batch: Any) -> list[int]:
+    return batch["idx"].tolist()
+
+
+def test_a_distributed_jobs_global_stream_skips_on_any_world_size() -> None:
+    """2 ranks of batch 3 take 2 steps (12 samples of the epoch's order), 5 are skipped, and 3
+    ranks of batch 4 deliver the rest: none of the consumed or skipped samples again."""
+    n = 40
+    order = [int(i) for i in DistributedSampler(RangeDataset(n), 1, 0, seed=2)]
+    job = _ranks(n, 2, 3)
+    its = [iter(x) for x in job]
+    before = [i for _ in range(2) for it in its for i in _ids(next(it))]
+    assert sorted(before) == sorted(order[:12])
+    state = skip_samples(merge_rank_states([x.state_dict() for x in job]), 5)
+    after: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # torch's padding, announced
+        for loader in _ranks(n, 3, 4):
+            loader.load_state_dict(state)
+            after += [i for batch in loader for i in _ids(batch)]
+    assert not set(after) & set(order[:17])
+    assert set(after) == set(order[17:])
+    assert len(after) == 24  # 23 left, padded to a multiple of 3 ranks
+    summary = format_summary(state)
+    assert "skipped samples  5 in 1 skips" in summary
+
+
+# ---- the CLI -------------------------------------------------------------------------------
+
+
+def _state_after(k: int) -> tuple[dict[str, Any], list[int]]:
+    loader = _loader(RangeDataset(20), 2, True)
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = loader.state_dict()
+    return state, [i for batch in it for i in _ids(batch)]
+
+
+def _resumed(state: dict[str, Any]) -> list[int]:
+    loader = _loader(RangeDataset(20), 2, True)
+    loader.load_state_dict(state)
+    return [i for batch in loader for i in _ids(batch)]
+
+
+def test_cli_skips_in_a_dump_state_file_in_place(tmp_path: Path) -> None:
+    state, rest = _state_after(3)
+    path = tmp_path / "loader.rls"
+    path.write_bytes(dump_state(state))
+    assert main(["skip", str(path), "--samples", "4"]) == 0
+    new = load_state(path.read_bytes())
+    assert _resumed(new) == rest[4:]
+    assert [p.name for p in tmp_path.iterdir()] == ["loader.rls"]  # no temporary file left
+
+
+def test_cli_skips_in_a_torch_save_checkpoint_by_key_and_by_search(tmp_path: Path) -> None:
+    state, rest = _state_after(2)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "train": {"loader": state}}, path)
+    out = tmp_path / "out.pt"
+    assert main(["skip", str(path), "--samples", "3", "--key", "train.loader", "-o", str(out)]) == 0
+    ckpt = torch.load(out, weights_only=True)
+    assert torch.equal(ckpt["model"]["w"], torch.ones(3))
+    assert _resumed(ckpt["train"]["loader"]) == rest[3:]
+    assert main(["skip", str(path), "--samples", "1"]) == 0  # found without --key, in place
+    assert _resumed(torch.load(path, weights_only=True)["train"]["loader"]) == rest[1:]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_cli_skips_in_a_dcp_directory_into_a_new_one(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    n = 20
+    ref = _ranks(n, 1, 2)[0]
+    order = [i for batch in ref for i in _ids(batch)]
+    loader = _ranks(n, 1, 2)[0]
+    it = iter(loader)
+    next(it)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "skipped"
+    dcp.save({"loader": loader, "model": {"w": torch.arange(3.0)}}, checkpoint_id=str(ckpt))
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert main(["skip", str(ckpt), "--samples", "5"]) == 2  # in place: refused
+    assert main(["skip", str(ckpt), "--samples", "5", "-o", str(out)]) == 0
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before  # untouched
+    resumed = _ranks(n, 1, 2)[0]
+    model = {"w": torch.zeros(3)}
+    dcp.load({"loader": resumed, "model": model}, checkpoint_id=str(out))
+    assert torch.equal(model["w"], torch.arange(3.0))
+    assert [i for batch in resumed for i in _ids(batch)] == order[7:]
+    assert main(["inspect", str(out)]) == 0
+
+
+class _Planted:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+def test_cli_skip_refuses_planted_files_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "ran"
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(pickle.dumps({"loader": _Planted(marker)}))
+    data = bad.read_bytes()
+    assert main(["skip", str(bad), "--samples", "1"]) == 2
+    assert "weights_only=True" in capsys.readouterr().err
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Planted(marker)))
+    assert main(["skip", str(ckpt), "--samples", "1", "-o", str(tmp_path / "o")]) == 2
+    assert "cannot be read safely" in capsys.readouterr().err
+    assert not marker.exists()
+    assert bad.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "ckpt"]
+    # A state that cannot move: one clear line, nothing written.
+    stream = tmp_path / "stream.rls"
+    stream.write_bytes(dump_state(DataLoader(ShardedStream(4)).state_dict()))
+    assert main(["skip", str(stream), "--samples", "1"]) == 2
+    assert "iterable dataset" in capsys.readouterr().err
