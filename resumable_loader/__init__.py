@@ -31,7 +31,8 @@ module, in the order a batch meets them.
    and the Cursor: the position, read from the reorder buffer, dispatcher and task source,
    frozen when the iterator ends, kept by the loader until the next iter().
  state (_schema: plain-data state, ResumePoint.to_state / from_state; _codec: its bytes;
-   _checkpoint: save_checkpoint, an atomic write of a checkpoint file).
+   _checkpoint: save_checkpoint, an atomic write of a checkpoint file; _fingerprint: the data
+   a state was taken on -- class, length, fingerprint() -- and what changed since).
  messages (_protocol): every message between the main process and a worker, typed, and the
    one Status enum of results and deliveries.
  ranks (_distributed): torch's DistributedSampler cut into shards and re-cut for another world

@@ -41,7 +41,7 @@ from resumable_loader._codec import (
 )
 from resumable_loader._distributed import GLOBAL_FORMAT, is_global, split_global
 from resumable_loader._errors import CheckpointError
-from resumable_loader._schema import FORMAT, KNOWN_KEYS
+from resumable_loader._schema import FORMAT, K_DATASET, K_PLAN, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
 
 # What a state written by DataLoader.state_dict() holds: the schema's own constants, not copies.
@@ -819,6 +819,7 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
         _config_lines(out, config)
     else:
         out.field("  (config)", _describe(config))
+    _dataset_lines(out, state.get(K_DATASET, MISSING), state.get(K_PLAN, MISSING))
 
     seed, epoch = state.get("seed", MISSING), state.get("epoch", MISSING)
     out.field("seed", _scalar(seed) if seed is not None else "None (drawn when the epoch begins)")
@@ -911,6 +912,67 @@ def _config_lines(out: _Lines, config: dict[Any, Any]) -> None:
     for key, value in config.items():
         if key not in known:
             out.field(f"  {clip_text(str(key), 12)}", _describe(value))
+
+
+def _dataset_lines(out: _Lines, record: Any, plan: Any) -> None:
+    """The data the state was taken on: the dataset's class and fingerprint, and a Mixture's
+    sources (its plan holds their names, lengths and fingerprints)."""
+    if record is MISSING:
+        out.field("dataset", "- (not recorded: a resume checks the length only)")
+    elif isinstance(record, dict) and isinstance(record.get("class"), str):
+        fp = record.get("fingerprint", MISSING)
+        if fp is None and isinstance(plan, dict):
+            said = "fingerprints per source (data_plan)"
+        elif fp is None:
+            said = "no fingerprint() (class and length checked)"
+        else:
+            said = f"fingerprint {_fingerprint(fp)}"
+        out.field("dataset", f"{clip_text(record['class'], 100)}; {said}")
+    else:
+        out.field("dataset", _describe(record))
+    if isinstance(plan, dict):
+        _plan_lines(out, plan)
+    elif plan is not MISSING and plan is not None:
+        out.field("data_plan", _describe(plan))
+
+
+def _plan_lines(out: _Lines, plan: dict[Any, Any]) -> None:
+    """A Mixture's plan: seed, epoch, num_samples, newest weights, and each source."""
+    weights = plan.get("weights", MISSING)
+    if isinstance(weights, list) and weights and isinstance(weights[-1], dict):
+        newest = weights[-1]
+        segments = f"{len(weights)} segment" + "s" * (len(weights) != 1)
+        said = (
+            f"{clip_repr(newest.get('weights', MISSING), 80)} from position "
+            f"{_scalar(newest.get('from', MISSING))} ({segments})"
+        )
+    else:
+        said = _describe(weights)
+    out.field(
+        "data_plan",
+        f"seed {_scalar(plan.get('seed', MISSING))}, epoch {_scalar(plan.get('epoch', MISSING))}"
+        f", num_samples {_scalar(plan.get('num_samples', MISSING))}; weights {said}",
+    )
+    sources = plan.get("sources", MISSING)
+    if not isinstance(sources, list):
+        out.line(f"{'':17}sources: {_describe(sources)}")
+        return
+    for source in sources[:SHOW_KEYS]:
+        if isinstance(source, dict):
+            out.line(
+                f"{'':17}source {_describe(source.get('name', MISSING))}: "
+                f"{_scalar(source.get('length', MISSING))} items, fingerprint "
+                f"{_fingerprint(source.get('fingerprint', MISSING))}"
+            )
+        else:
+            out.line(f"{'':17}{_describe(source)}")
+    if len(sources) > SHOW_KEYS:
+        out.line(f"{'':17}... {len(sources) - SHOW_KEYS} more")
+
+
+def _fingerprint(value: Any) -> str:
+    # Longer than other strings: a digest is compared by eye, and sha256 hex alone is 64.
+    return repr(clip_text(value, 100)) if isinstance(value, str) else _describe(value)
 
 
 def _outstanding_lines(out: _Lines, outstanding: Any, sampler: Any, consumed: Any) -> None:

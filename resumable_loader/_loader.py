@@ -30,12 +30,13 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler, SequentialSampler
 
 from . import _distributed as D
+from . import _fingerprint as F
 from . import _schema as S
 from ._cursor import Cut, check_cut
 from ._errors import CheckpointError, LoaderClosedError
 from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
 from ._lifecycle import Cursor
-from ._mixture import Mixture, follow_epoch
+from ._mixture import Mixture, follow_epoch, load_plan, plan_changes
 from ._pin import pin_memory
 from ._samplers import BatchSampler as OurBatchSampler
 from ._samplers import RandomSampler as OurRandomSampler
@@ -537,17 +538,34 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         ``torch.distributed.checkpoint`` calls it (``dcp.save``/``dcp.load`` call it on every
         rank): there it is the job's global state, gathered from every rank and the same on
         all of them, which any number of ranks can load (see ``merge_rank_states``).
+
+        It records the data it was taken on (``dataset``): the dataset's class and, if it has a
+        ``fingerprint()`` method, the string that returns (called at each ``state_dict()``:
+        keep it cheap); its length is ``config.dataset_len``.
+
+        Raises:
+            TypeError: the dataset's ``fingerprint()`` returned something other than a str.
+            ValueError: it returned more than 1024 characters (a state holds a digest).
+            RuntimeError: it raised (chained as ``__cause__``).
         """
         if D.called_by_dcp():
             return D.merge_rank_states(D.gather(self._rank_state()))
         return self._rank_state()
 
     def _rank_state(self) -> dict[str, Any]:
+        data = self._dataset_record()  # a broken fingerprint() fails every state_dict()
         cursor = self._cursor
         if self._resume is not None:
-            if self._resume.source is not None:
+            if self._resume.source is not None and not self._resume.dataset_changes:
                 return copy.deepcopy(self._resume.source)
-            return self._resume.to_state(self._config)  # re-cut from a global state
+            # Re-cut from a global state, or resumed onto changed data: the position read, on
+            # this loader's data (so a resume from it on the same data checks clean).
+            pending = copy.copy(self._resume)
+            pending.dataset = data
+            if pending.dataset_changes:
+                mix = self.dataset
+                pending.plan = mix.state_dict() if isinstance(mix, Mixture) else None
+            return pending.to_state(self._config)
         if cursor is not None and not cursor.finished:
             rp: S.ResumePoint = cursor.position()
             rp.seed = self._seed
@@ -575,7 +593,13 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             rp.sampler_rng = self._epoch_rng if rp.seed is not None else encode_generator(gen)
         rp.skipped = [list(x) for x in self._counters.skipped]
         rp.skipped_samples = [list(x) for x in self._skipped_samples]
+        rp.dataset = data
         return rp.to_state(self._config)
+
+    def _dataset_record(self) -> dict[str, Any]:
+        """The data as a state records it (``_fingerprint``): a ``Mixture``'s fingerprints are
+        its sources', in its plan."""
+        return F.record(self.dataset, per_source=isinstance(self.dataset, Mixture))
 
     def _epoch_start(self, epoch: int) -> S.ResumePoint:
         kind = self._plan.kind
@@ -610,14 +634,35 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             return rp.consumed >= self._plan.distributed_tasks(*self._plan.dist_position)
         return False
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, state_dict: dict[str, Any], *, on_dataset_change: str = "raise"
+    ) -> None:
         """Continue from ``state_dict`` at the next ``iter(loader)``.
 
+        The data must be the checkpoint's: the dataset's class, length and ``fingerprint()``
+        (a ``Mixture``: each source's name, length and fingerprint). A state without that
+        record (written before dataset checks) has only its length checked.
+
+        Args:
+            state_dict: a ``state_dict()`` (or a job's global state).
+            on_dataset_change: ``"raise"`` (default): refuse a state taken on other data.
+                ``"continue"``: keep its position on the new data -- what was consumed stays
+                consumed, the rest of the epoch is read from the new data (under a shuffling
+                sampler, the new data's order) -- with one ``RuntimeWarning`` naming what
+                changed. A position past the end of the new data is still refused.
+
         Raises:
-            CheckpointError: the state is malformed, from another version, or from another
-                configuration (the message names the field, both values and the fix). The
-                loader is then left exactly as it was.
+            CheckpointError: the state is malformed, from another version, from another
+                configuration, or (``on_dataset_change="raise"``) taken on other data (the
+                message names the field, both values and the fix). The loader is then left
+                exactly as it was.
+            ValueError: ``on_dataset_change`` is neither ``"raise"`` nor ``"continue"``.
+            TypeError, ValueError, RuntimeError: the dataset's ``fingerprint()`` is broken
+                (see ``state_dict``).
         """
+        policy = F.check_policy(on_dataset_change)
+        data = self._dataset_record()
+        stateful = self._plan.kind == STATEFUL
         if D.is_global(state_dict):
             states = D.split_global(state_dict)
             world, rank = self._config["world_size"], self._config["rank"]
@@ -628,14 +673,14 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             ):
                 # Another world size or batch size (re-cut), or a sampler that cannot be
                 # re-cut: the re-cut says which.
-                self._load_point(self._rebatch(self._recut(states)), None)
+                self._load_checked(self._recut(states, data), None, policy, rebatch=True)
                 return
             state_dict = states[rank]
-        rp = S.ResumePoint.from_state(state_dict, self._config, self._plan.kind == STATEFUL)
-        if self._same_batch(state_dict) and (rp.cut is None or self._plan.kind == BUILTIN):
-            self._load_point(rp, state_dict)
-        else:
-            self._load_point(self._rebatch(rp), None)
+        rp = S.ResumePoint.from_state(
+            state_dict, self._config, stateful, dataset=data, dataset_change_ok=True
+        )
+        same = self._same_batch(state_dict) and (rp.cut is None or self._plan.kind == BUILTIN)
+        self._load_checked(rp, state_dict, policy, rebatch=not same)
 
     def _same_batch(self, sd: Any) -> bool:
         cfg = sd.get(S.K_CONFIG) if isinstance(sd, dict) else None
@@ -702,14 +747,48 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             source=None,
         )
 
-    def _recut(self, states: list[dict[str, Any]]) -> S.ResumePoint:
+    def _load_checked(
+        self,
+        rp: S.ResumePoint,
+        state_dict: dict[str, Any] | None,
+        policy: str,
+        *,
+        rebatch: bool,
+    ) -> None:
+        """``_load_point`` (of the position re-cut for this batch size, if ``rebatch``), after
+        the dataset check: refuse changed data, or note the changes in ``rp`` and warn of them
+        once the state is loaded."""
+        mix = self.dataset
+        if isinstance(mix, Mixture) and rp.plan is not None:
+            rp.dataset_changes = [*rp.dataset_changes, *plan_changes(mix, rp.plan)]
+        changes = rp.dataset_changes
+        if changes and policy == F.RAISE:
+            raise F.changed_error(changes)
+        try:
+            if rebatch:
+                self._load_point(self._rebatch(rp), None)
+            else:
+                self._load_point(rp, state_dict)
+        except CheckpointError as e:
+            if not changes:
+                raise
+            raise CheckpointError(
+                f"{e} (The data changed since the checkpoint: {'; '.join(changes)}. "
+                "on_dataset_change='continue' keeps the checkpoint's position, which must fit "
+                "the new data.)"
+            ) from None
+        if changes:
+            F.warn_changed(changes, "DataLoader", stacklevel=3)
+
+    def _recut(self, states: list[dict[str, Any]], data: dict[str, Any]) -> S.ResumePoint:
         """The position of this rank from every rank's state of a job on another world size."""
         config = self._config
         world = len(states)
+        stateful = self._plan.kind == STATEFUL
         if self._plan.kind != DISTRIBUTED:
             if world == config["world_size"]:
                 return S.ResumePoint.from_state(
-                    states[config["rank"]], config, self._plan.kind == STATEFUL
+                    states[config["rank"]], config, stateful, dataset=data, dataset_change_ok=True
                 )
             raise CheckpointError(
                 f"cannot load DataLoader state: world_size: the checkpoint is from {world} "
@@ -718,11 +797,19 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 "with any other sampler, resume on the same number of ranks."
             )
         points = [
-            S.ResumePoint.from_state(sd, dict(config, world_size=world, rank=r), False)
+            S.ResumePoint.from_state(
+                sd,
+                dict(config, world_size=world, rank=r),
+                False,
+                dataset=data,
+                dataset_change_ok=True,
+            )
             for r, sd in enumerate(states)
         ]
-        rp = D.recut(points, self._plan)
+        rp: S.ResumePoint = D.recut(points, self._plan)
         rp.batch = self.batch_size  # a fresh level: nothing of it consumed yet
+        # Every rank read the same data: its changes, once each.
+        rp.dataset_changes = list(dict.fromkeys(c for p in points for c in p.dataset_changes))
         return rp
 
     def _load_point(self, rp: S.ResumePoint, state_dict: dict[str, Any] | None) -> None:
@@ -806,7 +893,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         one (whose consumed positions are scattered), the next epoch."""
         mix = self.dataset
         if not isinstance(mix, Mixture):
-            if rp.plan is not None:
+            # On changed data (another class: the check named it) a plan is not ours to follow.
+            if rp.plan is not None and not rp.dataset_changes:
                 raise CheckpointError(
                     f"cannot load DataLoader state: {S.K_PLAN}: the state holds a Mixture's "
                     f"plan, but this loader's dataset is a {type(mix).__name__}. Build the "
@@ -814,6 +902,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 )
             return
         if rp.plan is None:
+            if rp.dataset_changes:
+                return  # the checkpoint's data was no Mixture: this one's plan, as it was built
             raise CheckpointError(
                 f"cannot load DataLoader state: {S.K_PLAN}: missing, but this loader's dataset "
                 "is a Mixture. The state was taken over another dataset."
@@ -831,7 +921,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 at += cut.advance(n, self._plan.per_task(), rp.consumed).start
             else:
                 at += n
-        mix.load_state_dict(rp.plan, resume_at=at)
+        load_plan(mix, rp.plan, resume_at=at, changes_ok=bool(rp.dataset_changes))
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits,

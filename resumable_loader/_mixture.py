@@ -42,6 +42,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from . import _fingerprint as F
+from ._codec import clip_repr
 from ._errors import CheckpointError
 
 __all__ = ["Mixture"]
@@ -274,7 +276,9 @@ class Mixture(Dataset[Any]):
         TypeError: a source without ``__len__``, a name that is not a string, a weight that is
             not a number, or a ``fingerprint()`` that does not return a string.
         ValueError: no sources, an empty source, weights that do not name exactly the sources,
-            a negative, infinite or NaN weight, all weights 0, a bad seed or ``num_samples``.
+            a negative, infinite or NaN weight, all weights 0, a bad seed or ``num_samples``,
+            or a ``fingerprint()`` longer than 1024 characters.
+        RuntimeError: a source's ``fingerprint()`` raised (chained).
     """
 
     def __init__(
@@ -306,7 +310,7 @@ class Mixture(Dataset[Any]):
             lengths.append(length)
         self._lengths = tuple(lengths)
         self._fingerprints = tuple(
-            _fingerprint_of(n, ds) for n, ds in zip(self._names, self._sources)
+            F.fingerprint_of(ds, f"source {n!r}") for n, ds in zip(self._names, self._sources)
         )
         self._seed = _check_int("seed", seed, 0, 1 << 64)
         if num_samples is None:
@@ -465,25 +469,49 @@ class Mixture(Dataset[Any]):
             "weights": [{"from": s.start, "weights": dict(s.weights)} for s in self._segments],
         }
 
-    def load_state_dict(self, state: Mapping[str, Any], *, resume_at: int | None = None) -> None:
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        *,
+        resume_at: int | None = None,
+        on_dataset_change: str = "raise",
+    ) -> None:
         """Continue the plan saved in ``state``: its seed, epoch and weights history.
 
-        The sources must be the checkpoint's: the same names, lengths and fingerprints. If
-        this mixture was built with other weights than the checkpoint's newest, they apply
-        from global position ``resume_at`` on (see ``set_weights``); without ``resume_at``
-        the checkpoint's weights are kept, with a ``UserWarning``. On any error the mixture is
-        left exactly as it was.
+        The sources must be the checkpoint's: the same names, lengths and fingerprints, and the
+        same ``num_samples`` -- or, with ``on_dataset_change="continue"``, the same names: the
+        plan then goes on over the changed sources (positions keep their sources; a changed
+        source's passes draw from its new items) with one ``RuntimeWarning`` naming what
+        changed. If this mixture was built with other weights than the checkpoint's newest,
+        they apply from global position ``resume_at`` on (see ``set_weights``); without
+        ``resume_at`` the checkpoint's weights are kept, with a ``UserWarning``. On any error
+        the mixture is left exactly as it was.
 
         Args:
             state: a ``state_dict()``.
             resume_at: the global position of the first sample not yet consumed.
+            on_dataset_change: ``"raise"`` (default) or ``"continue"``, as above.
 
         Raises:
-            CheckpointError: a malformed state, another version, sources added, removed or
-                changed (the message names the source and both values), another
-                ``num_samples``, or a ``resume_at`` before the checkpoint's newest segment.
+            CheckpointError: a malformed state, another version, sources added or removed
+                (whatever ``on_dataset_change`` says: the weights name the sources), sources
+                changed or another ``num_samples`` (the message names the source and both
+                values), or a ``resume_at`` before the checkpoint's newest segment.
+            ValueError: ``on_dataset_change`` is neither ``"raise"`` nor ``"continue"``.
         """
-        seed, epoch, segments = self._parse_state(state)
+        policy = F.check_policy(on_dataset_change)
+        changes = self._load(state, resume_at, policy == F.CONTINUE, check_num_samples=True)
+        if changes:
+            F.warn_changed(changes, "Mixture", stacklevel=2)
+
+    def _load(
+        self, state: Any, resume_at: int | None, changes_ok: bool, *, check_num_samples: bool
+    ) -> list[str]:
+        """``load_state_dict``'s work; returns what changed in the data (allowed when
+        ``changes_ok``, else refused)."""
+        seed, epoch, segments, changes = self._parse_state(state, check_num_samples)
+        if changes and not changes_ok:
+            raise F.changed_error(changes, "Mixture")
         own = self._segments[-1]
         own_fracs = _check_weights(own.weights, self._names)[1]
         new_weights: tuple[dict[str, int | float], tuple[Fraction, ...]] | None = None
@@ -518,9 +546,14 @@ class Mixture(Dataset[Any]):
         self._seed, self._epoch, self._segments = seed, epoch, built
         self._starts = [s.start for s in built]
         self._keys = {}
+        return changes
 
-    def _parse_state(self, state: Any) -> tuple[int, int, list[tuple[int, Any]]]:
-        """Validate ``state`` against this mixture's sources; nothing is changed."""
+    def _parse_state(
+        self, state: Any, check_num_samples: bool
+    ) -> tuple[int, int, list[tuple[int, Any]], list[str]]:
+        """Validate ``state`` against this mixture's sources; nothing is changed. Returns its
+        seed, epoch and segments, and how the sources (and ``num_samples``, when
+        ``check_num_samples``) differ from the checkpoint's."""
         if not isinstance(state, Mapping):
             raise CheckpointError(f"a Mixture state is a dict, not {type(state).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state]
@@ -533,18 +566,18 @@ class Mixture(Dataset[Any]):
                 f"Mixture state version {state['version']!r}; this resumable_loader reads "
                 f"version {STATE_VERSION}. Resume with the version that saved it."
             )
-        self._check_sources(state["sources"])
+        changes = self._source_changes(state["sources"])
         try:
             seed = _check_int("seed", state["seed"], 0, 1 << 64)
             epoch = _check_int("epoch", state["epoch"], 0, None)
             num_samples = _check_int("num_samples", state["num_samples"], 1, None)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"bad Mixture state: {e}") from None
-        if num_samples != self._num_samples:
-            raise CheckpointError(
+        if num_samples != self._num_samples and check_num_samples:
+            changes.append(
                 f"the checkpoint's Mixture has num_samples={num_samples}, this one "
-                f"{self._num_samples}: global positions would fall in other epochs. Build it "
-                f"with num_samples={num_samples}."
+                f"{self._num_samples} (global positions fall in other epochs; build it with "
+                f"num_samples={num_samples} to keep them)"
             )
         history = state["weights"]
         if not isinstance(history, list) or not history:
@@ -565,13 +598,25 @@ class Mixture(Dataset[Any]):
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"bad Mixture state: weights[{j}]: {e}") from None
             segments.append((start, seg["weights"]))
-        return seed, epoch, segments
+        return seed, epoch, segments, changes
 
-    def _check_sources(self, saved: Any) -> None:
+    def _source_changes(self, saved: Any) -> list[str]:
+        """How each source differs from the checkpoint's (length, fingerprint), one line each.
+
+        Raises:
+            CheckpointError: malformed, or sources added or removed.
+        """
         if not isinstance(saved, list) or not all(
-            isinstance(s, Mapping) and {"name", "length", "fingerprint"} <= set(s) for s in saved
+            isinstance(s, Mapping)
+            and {"name", "length", "fingerprint"} <= set(s)
+            # Typed before they are hashed or compared: a damaged file may hold a list or an
+            # array there, whose hash raises and whose == is elementwise.
+            and type(s["name"]) is str
+            and type(s["length"]) is int
+            and (s["fingerprint"] is None or type(s["fingerprint"]) is str)
+            for s in saved
         ):
-            raise CheckpointError(f"bad Mixture state: 'sources' is {saved!r}")
+            raise CheckpointError(f"bad Mixture state: 'sources' is {clip_repr(saved)}")
         theirs = {s["name"]: s for s in saved}
         added = [n for n in self._names if n not in theirs]
         removed = sorted(n for n in theirs if n not in self._names)
@@ -584,21 +629,22 @@ class Mixture(Dataset[Any]):
             raise CheckpointError(
                 f"the Mixture's sources changed since the checkpoint: {' and '.join(change)} "
                 f"(checkpoint: {sorted(theirs)}, now: {list(self._names)}). Resume with the "
-                "checkpoint's sources; set a source's weight to 0 to stop drawing from it."
+                "checkpoint's sources; set a source's weight to 0 to stop drawing from it "
+                "(on_dataset_change='continue' does not apply: the weights name the sources)."
             )
+        changes = []
         for n, length, fp in zip(self._names, self._lengths, self._fingerprints):
             if theirs[n]["length"] != length:
-                raise CheckpointError(
-                    f"source {n!r} had {theirs[n]['length']} items in the checkpoint, now "
-                    f"{length}: its passes would draw other items. Resume with the "
-                    "checkpoint's data."
+                changes.append(
+                    f"source {n!r} had {clip_repr(theirs[n]['length'])} items in the "
+                    f"checkpoint, now {length} (its passes draw other items)"
                 )
             if theirs[n]["fingerprint"] != fp:
-                raise CheckpointError(
-                    f"source {n!r} has fingerprint {fp!r}, the checkpoint "
-                    f"{theirs[n]['fingerprint']!r}: the data changed. Resume with the "
-                    "checkpoint's data."
+                changes.append(
+                    f"source {n!r} has fingerprint {clip_repr(fp, 120)}, the checkpoint "
+                    f"{clip_repr(theirs[n]['fingerprint'], 120)}"
                 )
+        return changes
 
     # ---- internals ---------------------------------------------------------------------------
     def _segment_after(
@@ -681,14 +727,17 @@ def _same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
     return all(x * sb == y * sa for x, y in zip(a, b))
 
 
-def _fingerprint_of(name: str, ds: Any) -> str | None:
-    method = getattr(ds, "fingerprint", None)
-    if not callable(method):
-        return None
-    fp = method()
-    if not isinstance(fp, str):
-        raise TypeError(
-            f"source {name!r}: fingerprint() must return a str (a manifest hash, a file list "
-            f"digest), not {type(fp).__name__}"
-        )
-    return fp
+def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
+    """How ``dataset``'s sources differ from those of a saved ``plan`` (the loader's check;
+    ``num_samples`` is left out: to the loader it is the dataset's length, checked as such).
+
+    Raises:
+        CheckpointError: a malformed plan, or sources added or removed.
+    """
+    return dataset._parse_state(plan, check_num_samples=False)[3]
+
+
+def load_plan(dataset: Mixture, plan: Any, *, resume_at: int, changes_ok: bool) -> None:
+    """``dataset.load_state_dict(plan, resume_at=resume_at)`` for the loader, which checked the
+    data already (``plan_changes``) and warns of changes itself, once."""
+    dataset._load(plan, resume_at, changes_ok, check_num_samples=False)

@@ -41,6 +41,9 @@ is json-able) and msgpack (``dump_state``). Keys:
                           now (between epochs); absent for other samplers
     data_plan             a ``Mixture`` dataset's own state (its seed, weights history and
                           sources' names, lengths and fingerprints); absent for other datasets
+    dataset               the data the state was taken on: {class, fingerprint} (its length is
+                          config.dataset_len; see ``_fingerprint``). Absent in states written
+                          before dataset checks: their class and fingerprint are not checked
     distributed           torch's DistributedSampler only: {sampler_epoch, history}: the
                           sampler's epoch being iterated, and the levels of resumes on another
                           world size within it ([[world size, [samples each rank took]], ...])
@@ -53,6 +56,7 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _fingerprint as F
 from ._codec import MAX_DEPTH, clip_repr, clip_text
 from ._cursor import Cut, check_cut
 from ._errors import CheckpointError
@@ -90,6 +94,7 @@ K_PLAN = "data_plan"
 K_SAMPLER_RNG = "sampler_generator"
 K_SKIPPED_SAMPLES = "skipped_samples"
 K_CUT = "sample_cut"
+K_DATASET = "dataset"
 
 # The top-level keys, in the order a state holds them (and the CLI's summary shows them).
 KNOWN_KEYS = (
@@ -113,15 +118,16 @@ KNOWN_KEYS = (
     K_NEXT_WORKER,
     K_SAMPLER_RNG,
     K_PLAN,
+    K_DATASET,
 )
 
 # Config fields that must match for a state to be loaded; num_workers and batch_size only for
 # streams (a map-style batch does not depend on which worker loads it; a stream's shards do, and
 # its position is in fetches). A map-style state's batch size may differ: the loader re-cuts the
-# position in samples where its sampler allows it (``DataLoader.load_state_dict``).
+# position in samples where its sampler allows it (``DataLoader.load_state_dict``). dataset_len
+# is checked with the rest of the data (``_fingerprint``): a load may opt to continue past it.
 MUST_MATCH = (
     "dataset_kind",
-    "dataset_len",
     "drop_last",
     "sampler",
     "world_size",
@@ -130,8 +136,6 @@ MUST_MATCH = (
 
 _FIX = {
     "dataset_kind": "load the state into a loader over the same kind of dataset",
-    "dataset_len": "the dataset changed size since the checkpoint; resume with the same data, or "
-    "start a fresh epoch without load_state_dict()",
     "batch_size": "an iterable dataset's position is in batches fetched per worker: build the "
     "loader with the batch_size the checkpoint was taken with",
     "drop_last": "build the loader with the drop_last the checkpoint was taken with",
@@ -192,12 +196,15 @@ class ResumePoint:
     sampler_rng: str | None = None
     cut: Cut | None = None  # the rest of the epoch as positions (see ``_cursor``)
     skipped_samples: list[list[int]] = field(default_factory=list)
+    dataset: dict[str, Any] | None = None  # the data's record (``_fingerprint.record``)
     # The batch size ``consumed`` and ``ahead`` count in: the state's config.batch_size, as read.
     batch: int | None = field(default=None, compare=False)
     stateful: bool = False
     iterable: bool = False
     distributed: bool = False
     source: dict[str, Any] | None = field(default=None, compare=False)  # the state read
+    # How the data differs from the state's (``_fingerprint.changes``), when the load allowed it.
+    dataset_changes: list[str] = field(default_factory=list, compare=False)
 
     def to_state(self, config: dict[str, Any]) -> dict[str, Any]:
         """The plain-data state (see the module docstring for the keys)."""
@@ -229,6 +236,8 @@ class ResumePoint:
             sd[K_SAMPLER_RNG] = self.sampler_rng
         if self.plan is not None:
             sd[K_PLAN] = self.plan
+        if self.dataset is not None:
+            sd[K_DATASET] = dict(self.dataset)
         if self.distributed:
             sd[K_DIST] = {
                 "sampler_epoch": self.sampler_epoch,
@@ -237,9 +246,12 @@ class ResumePoint:
         return sd
 
     @classmethod
-    def from_state(cls, sd: Any, config: dict[str, Any], stateful_sampler: bool) -> ResumePoint:
-        """Validate ``sd`` against a loader's ``config`` and read it (see ``parse_state``)."""
-        return parse_state(sd, config, stateful_sampler)
+    def from_state(
+        cls, sd: Any, config: dict[str, Any], stateful_sampler: bool, **data: Any
+    ) -> ResumePoint:
+        """Validate ``sd`` against a loader's ``config`` and read it (see ``parse_state``;
+        ``data``: its ``dataset`` and ``dataset_change_ok``)."""
+        return parse_state(sd, config, stateful_sampler, **data)
 
 
 def has_state(obj: object) -> bool:
@@ -335,14 +347,31 @@ def _chain(sd: dict[str, Any], distributed: bool) -> dict[str, Any] | None:
     return dict(chain)
 
 
-def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> ResumePoint:
+def parse_state(
+    sd: Any,
+    config: dict[str, Any],
+    stateful_sampler: bool,
+    *,
+    dataset: dict[str, Any] | None = None,
+    dataset_change_ok: bool = False,
+) -> ResumePoint:
     """Validate ``sd`` against this loader's ``config``; raise CheckpointError naming the field.
 
     Pure: reads ``sd`` only, changes nothing.
+
+    Args:
+        dataset: the loader's record of its data (``_fingerprint.record``); None compares the
+            length alone.
+        dataset_change_ok: read a state taken on other data (``on_dataset_change="continue"``):
+            the changes are in ``dataset_changes`` of the result. Otherwise they are refused.
     """
     if isinstance(sd, dict):
         _check_nesting(sd)
     _check_header(sd, config)
+    saved = _read_dataset(sd)
+    changes = F.changes(saved, sd[K_CONFIG].get("dataset_len"), dataset, config["dataset_len"])
+    if changes and not dataset_change_ok:
+        raise F.changed_error(changes)
     rp = ResumePoint(
         seed=None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED),
         epoch=_int(sd, K_EPOCH),
@@ -350,6 +379,8 @@ def parse_state(sd: Any, config: dict[str, Any], stateful_sampler: bool) -> Resu
         stateful=stateful_sampler,
         iterable=config["dataset_kind"] == "iterable",
         source=sd,
+        dataset=saved,
+        dataset_changes=changes,
     )
     rp.consumed = _int(sd, K_CONSUMED)
     required = (K_AHEAD, K_OUTSTANDING, K_SAMPLER_DONE) if stateful_sampler else (K_AHEAD,)
@@ -561,16 +592,53 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
             f"expected None or an int >= 1, got {clip_repr(batch)}",
             "the state is damaged",
         )
+    saved_len = cfg.get("dataset_len")
+    if saved_len is not None and (type(saved_len) is not int or saved_len < 0):
+        raise _fail(
+            "config.dataset_len",
+            f"expected None or an int >= 0, got {clip_repr(saved_len)}",
+            "the state is damaged",
+        )
     fields = list(MUST_MATCH)
     if config["dataset_kind"] == "iterable":
         fields += ["batch_size", "num_workers"]
     for name in fields:
-        if not _same(cfg.get(name), config[name]):
-            raise _fail(
-                f"config.{name}",
-                f"the checkpoint has {clip_repr(cfg.get(name))}, this loader has {config[name]!r}",
-                _FIX[name],
-            )
+        theirs = cfg.get(name)
+        if _same(theirs, config[name]):
+            continue
+        if name == "sampler" and _same(
+            _resized_sampler(theirs, saved_len, config["dataset_len"]), config[name]
+        ):
+            continue
+        raise _fail(
+            f"config.{name}",
+            f"the checkpoint has {clip_repr(theirs)}, this loader has {config[name]!r}",
+            _FIX[name],
+        )
+
+
+def _resized_sampler(description: Any, saved_len: Any, now_len: Any) -> Any:
+    """A saved sampler description as it reads over a dataset resized from ``saved_len`` to
+    ``now_len``: a RandomSampler's ``num_samples`` defaults to the dataset's length, so it
+    follows the length (whose change is the dataset check's to judge, not the sampler's). One
+    given explicitly, equal to the old length by chance, matches unchanged instead."""
+    if type(description) is not str or type(saved_len) is not int or type(now_len) is not int:
+        return description
+    tail = f", num_samples={saved_len})"
+    if description.startswith("random(") and description.endswith(tail):
+        return f"{description[: -len(tail)]}, num_samples={now_len})"
+    return description
+
+
+def _read_dataset(sd: dict[str, Any]) -> dict[str, Any] | None:
+    """The state's record of its data; None in a state written before dataset checks."""
+    if K_DATASET not in sd:
+        return None
+    rec = sd[K_DATASET]
+    problem = F.record_problem(rec)
+    if problem is not None:
+        raise _fail(K_DATASET, problem, "the state is damaged")
+    return {F.K_CLASS: rec[F.K_CLASS], F.K_FINGERPRINT: rec[F.K_FINGERPRINT]}
 
 
 def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -> None:
@@ -589,7 +657,7 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
         and len(x) == 2
         and type(x[0]) is int
         and 0 <= x[0] < rp.drawn
-        and _indices_ok(x[1], config["dataset_len"])
+        and _indices_ok(x[1], sd[K_CONFIG].get("dataset_len"))
         for x in out
     ):
         raise _fail(
@@ -598,6 +666,19 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
             "the state is damaged",
         )
     rp.outstanding = [(t, idx) for t, idx in out]
+    n = config["dataset_len"]
+    for t, idx in rp.outstanding:
+        if not _indices_ok(idx, n):
+            # Only on changed data (the indices fit the checkpoint's length): a resume by
+            # position would re-send them to a dataset that no longer has them.
+            raise _fail(
+                K_OUTSTANDING,
+                f"task {t} holds sample indices {clip_repr(idx)}, past the end of the "
+                f"dataset, which now has {n} samples",
+                "on_dataset_change='continue' keeps the position, and this one does not fit "
+                "the new data; resume with the checkpoint's data, or start afresh without "
+                "load_state_dict()",
+            )
 
 
 def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:

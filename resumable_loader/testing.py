@@ -336,7 +336,12 @@ class FaultyDataset(Dataset):
         dataset: the dataset to wrap.
         faults: sample index -> Fault.
         state_dir: a directory for the attempt counters (e.g. pytest's ``tmp_path``).
+
+    A state records the wrapped dataset (class, ``fingerprint()``): a job run through the
+    wrapper resumes on the plain dataset, and the other way round.
     """
+
+    _records_as = "dataset"  # see _fingerprint.WRAPS
 
     def __init__(self, dataset: Any, faults: dict[int, Fault], state_dir: str | os.PathLike[str]):
         self.dataset = dataset
@@ -365,8 +370,11 @@ class FaultyStream(IterableDataset):
     By default an item's key is ``(worker id, n)``, n counting the items this iterator has
     yielded (with ``num_workers=0`` the worker id is 0). A stream restored from a state starts
     counting again, so for stateful streams pass ``key``: a picklable function of the item
-    (e.g. its sample id). State methods of the wrapped stream are forwarded.
+    (e.g. its sample id). State methods of the wrapped stream are forwarded, and a state
+    records the wrapped stream (class, ``fingerprint()``), as for ``FaultyDataset``.
     """
+
+    _records_as = "stream"  # see _fingerprint.WRAPS
 
     def __init__(
         self,

@@ -548,5 +548,8 @@ def test_a_plan_over_other_sources_is_refused_and_nothing_changes() -> None:
     with pytest.raises(CheckpointError, match="added"):
         loader.load_state_dict(sd)
     assert loader.state_dict() == before
+    with pytest.raises(CheckpointError, match="class is list, the checkpoint's was Mixture"):
+        DataLoader(list(range(23)), batch_size=4).load_state_dict(sd)
+    del sd["dataset"]  # a state from before dataset checks: the plan itself is refused
     with pytest.raises(CheckpointError, match="data_plan"):
         DataLoader(list(range(23)), batch_size=4).load_state_dict(sd)

@@ -247,7 +247,8 @@ def test_resume_refetches_nothing_already_consumed(tmp_path) -> None:
 
 def test_fast_forwarded_sampler_fetches_no_data_while_skipping(tmp_path) -> None:
     log = str(tmp_path / "log")
-    loader = DataLoader(RandomAugDataset(N), batch_size=3, sampler=NoStateSampler(N))
+    first = str(tmp_path / "first")  # the same class of data, or the resume refuses it
+    loader = DataLoader(RecordingDataset(N, first), batch_size=3, sampler=NoStateSampler(N))
     it = iter(loader)
     for _ in range(4):
         next(it)
