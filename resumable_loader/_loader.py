@@ -822,7 +822,6 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                     "that batches differently."
                 )
         self._check_fits(rp)
-        self._load_plan(rp)
         gen = self._plan.sampler_generator
         if (gen is None) != (rp.sampler_rng is None) and rp.seed is not None:
             raise CheckpointError(
@@ -831,6 +830,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 f"loader's sampler {'has none' if gen is None else 'has one'}. Build the "
                 "sampler as the checkpoint's was (with or without generator=)."
             )
+        # The last check that can refuse the state, and the first change: nothing below raises
+        # for a state that was validated, so a refused state leaves the loader as it was.
+        self._load_plan(rp)
         if gen is not None and rp.sampler_rng is not None:
             gen.set_state(decode_generator(rp.sampler_rng))
         rp.source = copy.deepcopy(state_dict) if state_dict is not None else None

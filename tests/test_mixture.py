@@ -553,3 +553,24 @@ def test_a_plan_over_other_sources_is_refused_and_nothing_changes() -> None:
     del sd["dataset"]  # a state from before dataset checks: the plan itself is refused
     with pytest.raises(CheckpointError, match="data_plan"):
         DataLoader(list(range(23)), batch_size=4).load_state_dict(sd)
+
+
+def test_a_state_refused_after_the_plan_check_leaves_the_mixture_unchanged() -> None:
+    # The sampler-generator check refuses this state after the plan would have been taken:
+    # the mixture's new weights must still be the ones it was built with.
+    def loader(mix: Mixture, gen: torch.Generator | None) -> DataLoader:
+        sampler = torch.utils.data.SubsetRandomSampler(range(len(mix)), generator=gen)
+        return DataLoader(mix, batch_size=4, sampler=sampler)
+
+    first = loader(_mix({"a": 1, "b": 1}), torch.Generator().manual_seed(5))
+    it = iter(first)
+    next(it)
+    sd = first.state_dict()
+    del it
+    assert "sampler_generator" in sd
+    mix = _mix({"a": 1, "b": 3})
+    resumed = loader(mix, None)
+    before = (mix.history, resumed.state_dict())
+    with pytest.raises(CheckpointError, match="sampler_generator"):
+        resumed.load_state_dict(sd)
+    assert (mix.history, resumed.state_dict()) == before
