@@ -41,7 +41,7 @@ from resumable_loader._codec import (
 )
 from resumable_loader._distributed import GLOBAL_FORMAT, is_global, split_global
 from resumable_loader._errors import CheckpointError
-from resumable_loader._schema import FORMAT, K_DATASET, K_PLAN, KNOWN_KEYS
+from resumable_loader._schema import FORMAT, K_CONSUMED, K_DATASET, K_PLAN, KNOWN_KEYS
 from resumable_loader._seeding import SAMPLER, derive_seed
 
 # What a state written by DataLoader.state_dict() holds: the schema's own constants, not copies.
@@ -721,11 +721,12 @@ def _read_dcp_entry(path: str, key: str, info: dict[Any, Any] | None) -> bytes:
 
 def _looks_like_state(obj: dict[Any, Any]) -> bool:
     # A state without a "format" key (hand-made, or from an older writer) still has several of
-    # the schema's keys; a training checkpoint that merely contains a state has few.
+    # the schema's keys, "consumed" among them; a training checkpoint around a state may share
+    # generic ones ("epoch", "config", "dataset"), but not that one.
     fmt = obj.get("format")
     if isinstance(fmt, str) and fmt in (STATE_FORMAT, GLOBAL_FORMAT):
         return True
-    return len(set(KNOWN_KEYS) & set(obj)) >= 3
+    return K_CONSUMED in obj and len(set(KNOWN_KEYS) & set(obj)) >= 3
 
 
 def _find_state(obj: Any, path: str) -> tuple[str, dict[Any, Any]]:

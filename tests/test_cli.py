@@ -70,6 +70,19 @@ def test_cli_inspects_a_torch_save_file_by_key(tmp_path: Path) -> None:
     )
 
 
+def test_a_training_checkpoint_with_epoch_config_and_dataset_keys_is_not_taken_for_a_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Common top-level keys of a training checkpoint are also names in a loader state; the
+    # state is the entry that holds one, not the checkpoint around it.
+    path = tmp_path / "ckpt.pt"
+    ckpt = {"epoch": 3, "config": {"lr": 0.1}, "dataset": "web-v2", "loader": loader_state()}
+    torch.save(ckpt, path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "key 'loader'" in out and "17 tasks consumed" in out
+
+
 def test_cli_refuses_corrupt_and_missing_files_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
