@@ -219,7 +219,18 @@ def _skip(args: argparse.Namespace) -> int:
         raise CliError(f"--samples must be >= 0, not {args.samples}")
     if os.path.isdir(args.path):
         return _skip_dcp(args)
-    obj, _, from_dump = _load(args.path)
+    locations: set[str] = set()
+    obj, _, from_dump = _load(args.path, locations)
+    elsewhere = sorted(loc for loc in locations if loc != "cpu")
+    if elsewhere:
+        # Read onto the CPU and written back, they would come back as CPU tensors: a training
+        # checkpoint that no longer loads where it was saved, or that loads slower.
+        raise CliError(
+            f"{args.path} holds tensors saved on {', '.join(map(repr, elsewhere[:3]))}, which "
+            "this command reads onto the CPU and would write back there; nothing was written. "
+            "Run skip on a machine with that device, or in Python: "
+            "state = resumable_loader.skip_samples(state, n) before torch.save"
+        )
     keys, state = _locate(obj, args.key, args.path, from_dump)
     try:
         new = skip_samples(state, args.samples)
@@ -252,7 +263,12 @@ def _skip_dcp(args: argparse.Namespace) -> int:
     from resumable_loader._skip import skip_samples
 
     path, out = args.path, args.output
-    if out is None or os.path.abspath(out) == os.path.abspath(path):
+    if out is not None and _is_within(out, path) and not _is_within(path, out):
+        raise CliError(
+            f"{out} lies inside {path}: the new checkpoint directory would be written into "
+            "the original one; give -o a directory outside it"
+        )
+    if out is None or os.path.realpath(out) == os.path.realpath(path):
         raise CliError(
             f"{path} is a torch.distributed.checkpoint directory: several files, which cannot "
             "be replaced all at once; give -o NEW_DIRECTORY (the result is written there, "
@@ -287,6 +303,12 @@ def _skip_dcp(args: argparse.Namespace) -> int:
         f"{prefix.rstrip('.')!r}); wrote the new checkpoint directory {out}"
     )
     return 0
+
+
+def _is_within(inner: str, outer: str) -> bool:
+    """Whether the path ``inner`` is ``outer`` or lies under it, links resolved."""
+    a, b = os.path.realpath(inner), os.path.realpath(outer)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
 
 
 def _flat_keys(state: dict[Any, Any]) -> list[str]:
@@ -325,7 +347,17 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
 
     parent, name = os.path.split(os.path.abspath(out))
     with _open_regular(os.path.join(path, DCP_METADATA)) as f:
-        meta = _DcpMetadataUnpickler(io.BytesIO(f.read(MAX_DCP_METADATA + 1))).load()
+        raw = f.read(MAX_DCP_METADATA + 1)
+    try:
+        meta = _DcpMetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as exc:
+        # Allowed classes built from crafted arguments fail in their own ways (TypeError,
+        # ValueError, ...): the file is damaged, which is one line and exit 2, not a traceback.
+        raise CliError(
+            f"{path}/{DCP_METADATA}: cannot be read back to be rewritten "
+            f"({type(exc).__name__}: {_first_line(str(exc))}); the checkpoint is damaged, "
+            "nothing was written"
+        ) from exc
     names = sorted(os.listdir(path))
     if DCP_SKIP_FILE in names:
         raise CliError(f"{path} already holds {DCP_SKIP_FILE}: skip from the original checkpoint")
@@ -388,9 +420,10 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
     _fsync_directory(parent)
 
 
-def _load(path: str) -> tuple[Any, str, bool]:
+def _load(path: str, locations: set[str] | None = None) -> tuple[Any, str, bool]:
     """Read PATH as a dump_state or torch.save file, or the loader entries of a DCP
-    directory: (object, description, is a dump file)."""
+    directory: (object, description, is a dump file). A torch.save file's tensors are read
+    onto the CPU; ``locations`` (if given) receives the devices they were saved on."""
     if os.path.isdir(path):
         return _load_dcp(path), "torch.distributed.checkpoint directory", False
     try:
@@ -415,7 +448,7 @@ def _load(path: str) -> tuple[Any, str, bool]:
             "read torch.save files) is not installed"
         ) from exc
     try:
-        obj = torch.load(path, weights_only=True, map_location="cpu")
+        obj = torch.load(path, weights_only=True, map_location=_on_cpu(locations))
     except Exception as exc:
         raise CliError(
             f"{path} is neither a dump_state file (no {MAGIC!r} magic) nor a file that "
@@ -424,6 +457,19 @@ def _load(path: str) -> tuple[Any, str, bool]:
         ) from exc
     _check_expansion(obj, os.path.getsize(path), path)
     return obj, "torch.save file", False
+
+
+def _on_cpu(locations: set[str] | None) -> Any:
+    """A ``map_location`` for ``torch.load`` that keeps every storage on the CPU, where it is
+    deserialised, and notes in ``locations`` the device each was saved on."""
+    if locations is None:
+        return "cpu"
+
+    def keep(storage: Any, location: str) -> Any:
+        locations.add(str(location))
+        return storage
+
+    return keep
 
 
 # A pickle can refer to one list many times: [a, a] with a = [b, b], ... is 40 levels of
@@ -905,10 +951,12 @@ def _config_lines(out: _Lines, config: dict[Any, Any]) -> None:
         size = "length unknown" if length is None else f"length {_scalar(length)}"
     out.field("  dataset", f"{_scalar(kind)}, {size}")
     out.field("  batch_size", f"{get('batch_size')} (drop_last: {get('drop_last')})")
+    if config.get("batch_sampler") is not None:
+        out.field("  batch_sampler", get("batch_sampler"))
     out.field("  sampler", get("sampler"))
     out.field("  num_workers", get("num_workers"))
     out.field("  distributed", f"rank {get('rank')} of world size {get('world_size')}")
-    known = {"dataset_kind", "dataset_len", "batch_size", "drop_last", "sampler"}
+    known = {"dataset_kind", "dataset_len", "batch_size", "batch_sampler", "drop_last", "sampler"}
     known |= {"num_workers", "world_size", "rank"}
     for key, value in config.items():
         if key not in known:

@@ -13,13 +13,15 @@ delivered ahead of the consumed prefix (``in_order=False``): they must not come 
 ``Cut`` is batch-size free: it names positions, so any batch size continues from it, and a
 cut of a cut (a second resume with a third batch size) is again a cut.
 
-Everything here is arithmetic on ``start`` and the holes -- O(number of holes) per batch,
-never O(n) -- so a resume or a skip at sample 10^9 costs what one at sample 10 costs.
+Everything here is arithmetic on ``start`` and the holes -- O(holes) once per cut, then
+O(log holes) per item, never O(n) -- so a resume or a skip at sample 10^9 costs what one at
+sample 10 costs.
 """
 
 from __future__ import annotations
 
-import bisect
+import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +45,7 @@ class Cut:
 
     def left(self, n: int) -> int:
         """How many positions of an epoch of ``n`` are still to come."""
-        return max(0, n - self.start - sum(c for _, c in self.holes))
+        return max(0, n - self.start - self._in_holes)
 
     def tasks(self, n: int, per_task: int, drop_last: bool) -> int:
         """How many batches of ``per_task`` the rest makes (a partial last one unless
@@ -53,52 +55,81 @@ class Cut:
 
     def positions(self, a: int, b: int) -> np.ndarray:
         """The epoch positions of the rest's items ``[a, b)`` (in order), as int64."""
-        j = np.arange(a, b, dtype=np.int64)
-        if not self.holes:
-            return j + self.start
-        # Before hole i, kept item number k sits at position start + k + (holes before i).
-        kept_at, skipped = self._index()
-        i = np.searchsorted(np.asarray(kept_at, dtype=np.int64), j, side="right")
-        return j + self.start + np.asarray(skipped, dtype=np.int64)[i]
+        return self._at(np.arange(a, b, dtype=np.int64))
 
     def position(self, k: int) -> int:
         """The epoch position of the rest's item ``k`` (``n``-free: past the last hole the
         positions simply run on)."""
-        kept_at, skipped = self._index()
-        return self.start + k + skipped[bisect.bisect_right(kept_at, k)]
+        return int(self._at(np.array([k], dtype=np.int64))[0])
 
-    def _index(self) -> tuple[list[int], list[int]]:
-        # kept_at[i]: the item number at which hole i begins; skipped[i]: the positions in holes
-        # before item numbers >= kept_at[i - 1] (skipped[0] = 0).
-        kept_at, skipped, total = [], [0], 0
-        for first, count in self.holes:
-            kept_at.append(first - self.start - total)
-            total += count
-            skipped.append(total)
-        return kept_at, skipped
+    def _at(self, j: np.ndarray) -> np.ndarray:
+        """The epoch positions of the rest's items ``j`` (int64): O(len(j) log holes)."""
+        if not self.holes:
+            return j + self.start
+        # Before hole i, kept item number k sits at position start + k + (holes before i).
+        kept_at, skipped = self._index
+        i = np.searchsorted(kept_at, j, side="right")
+        return j + self.start + skipped[i]
+
+    @functools.cached_property
+    def _in_holes(self) -> int:
+        return sum(c for _, c in self.holes)
+
+    @functools.cached_property
+    def _index(self) -> tuple[np.ndarray, np.ndarray]:
+        # Built once per cut (a cut is immutable): every batch of an epoch reads it.
+        # kept_at[i]: the item number at which hole i begins; skipped[i]: the positions in
+        # holes before item numbers >= kept_at[i - 1] (skipped[0] = 0).
+        firsts = np.array([f for f, _ in self.holes], dtype=np.int64)
+        counts = np.array([c for _, c in self.holes], dtype=np.int64)
+        skipped = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        return firsts - self.start - skipped[:-1], skipped
 
     def advance(
-        self, n: int, per_task: int, consumed: int, ahead: frozenset[int] | set[int] = frozenset()
+        self,
+        n: int,
+        per_task: int,
+        consumed: int,
+        ahead: frozenset[int] | set[int] = frozenset(),
+        drop_last: bool = False,
     ) -> Cut:
         """The rest after ``consumed`` batches of ``per_task`` items of this rest, and the
         batches ``ahead`` (their ids), were delivered.
 
         Raises:
-            ValueError: a batch beyond the rest of the epoch.
+            ValueError: a batch beyond the rest of the epoch (with ``drop_last``, a partial
+                last batch is no batch).
         """
         m = self.left(n)
-        # The last batch may be partial: consumed, it takes what was left.
-        done = min(consumed * per_task, m)
-        if consumed > -(-m // per_task) or any(t * per_task >= m for t in ahead):
+        tasks = self.tasks(n, per_task, drop_last)
+        if consumed > tasks or any(t >= tasks for t in ahead):
             raise ValueError(
                 f"{consumed} batches consumed and batches {sorted(ahead)[:5]} delivered ahead "
                 f"do not fit in the {m} samples left of the epoch"
             )
+        # The last batch may be partial: consumed, it takes what was left.
+        done = min(consumed * per_task, m)
         holes = list(self.holes)
         for t in ahead:
-            holes.extend(_runs(self.positions(t * per_task, min(m, (t + 1) * per_task))))
+            holes += self._runs_of(t * per_task, min(m, (t + 1) * per_task))
         start = self.position(done) if done < m else n
         return _normal(start, holes, n)
+
+    def _runs_of(self, a: int, b: int) -> list[tuple[int, int]]:
+        """The epoch positions of the rest's items ``[a, b)`` as (first, count) runs, without
+        listing the items: O(log holes + runs), whatever the batch size."""
+        if not self.holes:
+            return [(self.start + a, b - a)]
+        kept_at, skipped = self._index
+        # The positions run on by one from item to item, except where a hole begins: at the
+        # kept_at inside (a, b).
+        lo = int(np.searchsorted(kept_at, a, side="right"))
+        hi = int(np.searchsorted(kept_at, b - 1, side="right"))
+        edges = [a, *kept_at[lo:hi].tolist(), b]
+        return [
+            (self.start + e0 + int(skipped[lo + s]), e1 - e0)
+            for s, (e0, e1) in enumerate(itertools.pairwise(edges))
+        ]
 
     def skip(self, n: int, count: int) -> Cut:
         """The rest once its first ``count`` items are skipped.
@@ -116,16 +147,6 @@ class Cut:
         return {"start": self.start, "holes": [[f, c] for f, c in self.holes]}
 
 
-def _runs(pos: np.ndarray) -> list[tuple[int, int]]:
-    """Increasing positions as (first, count) runs of consecutive ones."""
-    if not len(pos):
-        return []
-    breaks = np.flatnonzero(np.diff(pos) != 1) + 1
-    firsts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [len(pos)]))
-    return [(int(pos[a]), int(e - a)) for a, e in zip(firsts, ends)]
-
-
 def _normal(start: int, holes: list[tuple[int, int]], n: int) -> Cut:
     """Holes merged, those below ``start`` dropped, ``start`` moved past a hole it touches."""
     merged: list[list[int]] = []
@@ -138,10 +159,19 @@ def _normal(start: int, holes: list[tuple[int, int]], n: int) -> Cut:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([first, end])
-    while merged and merged[0][0] <= start:
-        start = max(start, merged.pop(0)[1])
+    # Merged holes are disjoint and not adjacent: only the first can touch the start.
+    if merged and merged[0][0] <= start:
+        start = merged.pop(0)[1]
     start = min(start, n)
     return Cut(start, tuple((f, e - f) for f, e in merged if f < n))
+
+
+# The most holes a sample cut may hold. Holes are batches delivered ahead of the consumed
+# prefix (in_order=False), at most the in-flight window (workers x prefetch_factor batches,
+# each a run or a few) at each resume, and every hole the consumed prefix reaches is gone: an
+# honest state holds a few hundred. The bound keeps a crafted one from costing O(holes) per
+# batch of memory and time without limit; 65536 leaves two orders of magnitude of margin.
+MAX_HOLES = 65536
 
 
 def check_cut(raw: object, n: int | None) -> tuple[Cut | None, str | None]:
@@ -154,10 +184,15 @@ def check_cut(raw: object, n: int | None) -> tuple[Cut | None, str | None]:
     if not isinstance(raw, dict) or set(raw) != {"start", "holes"}:
         return None, "expected {start: int, holes: [[first, count], ...]}"
     start, holes = raw["start"], raw["holes"]
-    if type(start) is not int or start < 0 or (n is not None and start > n):
+    if type(start) is not int or not 0 <= start < 2**63 or (n is not None and start > n):
         return None, f"start must be an int in [0, {n if n is not None else 'n'}]"
     if not isinstance(holes, list):
         return None, "holes must be a list of [first, count]"
+    if len(holes) > MAX_HOLES:
+        return None, (
+            f"{len(holes)} holes, more than the {MAX_HOLES} a loader's state can hold (holes "
+            "are batches delivered ahead, at most the in-flight window at each resume)"
+        )
     prev = start
     out = []
     for h in holes:
@@ -171,6 +206,8 @@ def check_cut(raw: object, n: int | None) -> tuple[Cut | None, str | None]:
         ):
             return None, "holes must be sorted, disjoint [first, count] ranges after start"
         prev = h[0] + h[1]
+        if prev >= 2**63:
+            return None, "holes must end below 2**63 (positions are int64)"
         out.append((h[0], h[1]))
     if n is not None and prev > n:
         return None, f"a hole ends at {prev}, past the epoch's {n} positions"

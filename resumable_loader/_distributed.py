@@ -172,10 +172,13 @@ def recut(points: list[Any], plan: Any) -> Any:
     seq = level_sequence(epoch_order(sampler, ref.sampler_epoch), ref.history, sampler.drop_last)
     share = cut_length(len(seq), world, sampler.drop_last) // world
     taken = [
-        share if p.epoch != epoch else samples_taken(p.consumed, share, p.batch) for p in points
+        share if p.epoch != epoch else samples_taken(p.consumed, share, p.per_task())
+        for p in points
     ]
-    history = [*ref.history, [world, taken]]
-    left = len(remaining(seq, world, taken, sampler.drop_last))
+    # A level no rank took anything of (a skip's, or a re-cut's before iter()) is not one:
+    # with drop_last its tail would be trimmed to the old world size, dropping samples.
+    history = [*ref.history, [world, taken]] if any(taken) else list(ref.history)
+    left = len(remaining(seq, world, taken, sampler.drop_last)) if any(taken) else len(seq)
     _warn_uneven(left, sampler.num_replicas, sampler.drop_last)
     return ResumePoint(
         seed=None,

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset, Sampler, SequentialSampler
 from . import _distributed as D
 from . import _fingerprint as F
 from . import _schema as S
+from ._codec import clip_text
 from ._cursor import Cut, check_cut
 from ._errors import CheckpointError, LoaderClosedError
 from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
@@ -519,6 +520,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 "dataset_kind": "iterable" if self._plan.kind == ITERABLE else "map",
                 "dataset_len": n,
                 "batch_size": self.batch_size,
+                # A batch_sampler passed in: its batches' size is its own (batch_size is None).
+                "batch_sampler": self._batch_sampler_description(),
                 "drop_last": self.drop_last,
                 "sampler": self._plan.description,
                 "num_workers": self.num_workers,
@@ -682,9 +685,68 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         same = self._same_batch(state_dict) and (rp.cut is None or self._plan.kind == BUILTIN)
         self._load_checked(rp, state_dict, policy, rebatch=not same)
 
+    @property
+    def _user_batches(self) -> bool:
+        """Whether the batches come from a ``batch_sampler`` passed in (torch then sets
+        ``batch_size`` to None): their size is the batch sampler's own."""
+        return self._auto_collation and self.batch_size is None
+
+    def _batch_sampler_description(self) -> str | None:
+        """A ``batch_sampler`` passed in, as the state's config records it: its class, and
+        for torch's (or our) ``BatchSampler`` its batch size and drop_last -- so that a resume
+        with another batch size is refused, not read as batches of the new size. None where
+        the loader makes its own batches (or none)."""
+        if not self._user_batches:
+            return None
+        bs = self.batch_sampler
+        name = f"{type(bs).__module__}.{type(bs).__qualname__}"
+        if isinstance(bs, torch.utils.data.BatchSampler):
+            return f"{name}(batch_size={bs.batch_size}, drop_last={bs.drop_last})"
+        return name
+
     def _same_batch(self, sd: Any) -> bool:
         cfg = sd.get(S.K_CONFIG) if isinstance(sd, dict) else None
-        return isinstance(cfg, dict) and S.same_state(cfg.get("batch_size"), self.batch_size)
+        if not isinstance(cfg, dict):
+            return False
+        mine = self._config["batch_sampler"]
+        # A state that does not say whether a batch_sampler made its batches (written before
+        # that was recorded) is taken as this loader's, as it was then.
+        return S.same_state(cfg.get("batch_size"), self.batch_size) and S.same_state(
+            cfg.get("batch_sampler", mine), mine
+        )
+
+    def _refuse_batch_sampler(self, rp: S.ResumePoint) -> None:
+        """Refuse to re-cut a position whose batches, or this loader's, come from a
+        ``batch_sampler`` passed in: the state counts batches of the batch sampler's making,
+        whose size it does not hold, and the docs promise a refusal both ways."""
+        if rp.per_task() is not None and not self._user_batches:
+            return
+        if rp.batch_sampler:
+            cfg = rp.source.get(S.K_CONFIG) if isinstance(rp.source, dict) else None
+            desc = cfg.get("batch_sampler") if isinstance(cfg, dict) else None
+            theirs = "the checkpoint's batches came from a batch_sampler" + (
+                f" ({clip_text(desc, 200)})" if isinstance(desc, str) else ""
+            )
+        elif rp.per_task() is None:
+            theirs = (
+                "the checkpoint has batch_size=None and does not say whether a batch_sampler "
+                "made its batches (it was written before that was recorded)"
+            )
+        else:
+            theirs = f"the checkpoint has batch_size={rp.batch}"
+        mine = (
+            f"this loader's come from a batch_sampler ({self._config['batch_sampler']})"
+            if self._user_batches
+            else f"this loader has batch_size={self.batch_size}"
+        )
+        raise CheckpointError(
+            f"cannot load DataLoader state: config.batch_size: {theirs}, {mine}. A position "
+            "counted in batches of a batch_sampler passed to the loader cannot be re-cut into "
+            "other batches (nor cut from another batch size: the batch sampler decides its "
+            "batches). Resume with the checkpoint's own batching, or build the loader with "
+            "batch_size=... (shuffle=True/False, a DistributedSampler or a Mixture), whose "
+            "position is a sample cursor."
+        )
 
     def _rebatch(self, rp: S.ResumePoint) -> S.ResumePoint:
         """A position saved with another batch size, as this loader's: the samples consumed
@@ -702,8 +764,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 f"sampler ({self._plan.description}) is not one of torch's Sequential/"
                 "RandomSampler. The state is damaged, or from a loader with another sampler."
             )
-        if S.same_state(rp.batch, mine):
+        if rp.source is not None and self._same_batch(rp.source):
             return rp
+        if rp.source is None and S.same_state(rp.batch, mine) and not self._user_batches:
+            return rp  # re-cut from a global state: a fresh level, cut by this loader
+        self._refuse_batch_sampler(rp)
         saved = f"batch_size={rp.batch}, this loader has batch_size={mine}"
         if kind == DISTRIBUTED:
             raise CheckpointError(
@@ -728,9 +793,17 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
         n = self._plan.epoch_samples()
         assert n is not None
+        # Bounded by the epoch before advance(), which would clamp a cut past the end to
+        # "nothing left" and silently drop the epoch.
+        _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, n)
+        if problem is not None:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_CUT}: {problem}. The state is damaged, "
+                "or from another dataset."
+            )
         cut = rp.cut or Cut()
         try:
-            cut = cut.advance(n, rp.batch or 1, rp.consumed, rp.ahead)
+            cut = cut.advance(n, rp.per_task() or 1, rp.consumed, rp.ahead, self.drop_last)
         except ValueError as e:
             raise CheckpointError(
                 f"cannot load DataLoader state: consumed: {e} (batch_size={rp.batch}). Build "
@@ -806,8 +879,18 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
             for r, sd in enumerate(states)
         ]
+        for p in points:
+            self._refuse_batch_sampler(p)
         rp: S.ResumePoint = D.recut(points, self._plan)
-        rp.batch = self.batch_size  # a fresh level: nothing of it consumed yet
+        # A fresh level: nothing of it consumed yet.
+        rp.batch, rp.batch_sampler = self.batch_size, self._user_batches
+        if rp.history:
+            # Inside the epoch: its seed, as iter() derives it again, so that a state saved
+            # before that iter() is one a loader reads back (an epoch with levels has begun).
+            s = self._plan.sampler
+            rp.seed = derive_seed(
+                DIST_SEED, s.seed, rp.sampler_epoch, len(rp.history), s.num_replicas, s.rank
+            )
         # Every rank read the same data: its changes, once each.
         rp.dataset_changes = list(dict.fromkeys(c for p in points for c in p.dataset_changes))
         return rp

@@ -280,9 +280,9 @@ class _BuiltinEpoch(Iterator[Any]):
     """Random access into one epoch's order: task ``t`` is computed, not iterated to.
 
     With a ``cut`` (see ``_cursor``), the tasks are the batches of the rest of the epoch it
-    names, cut from its start; task ``t`` is still computed, in O(holes)."""
+    names, cut from its start; task ``t`` is still computed, in O(log holes) per sample."""
 
-    __slots__ = ("_bs", "_cut", "_n", "_ntasks", "_order", "_pos")
+    __slots__ = ("_bs", "_cut", "_left", "_n", "_ntasks", "_order", "_pos")
 
     def __init__(
         self,
@@ -295,6 +295,7 @@ class _BuiltinEpoch(Iterator[Any]):
         self._n = order if isinstance(order, int) else len(order)
         self._cut = None if cut is None or cut.is_trivial else cut
         left = self._n if self._cut is None else self._cut.left(self._n)
+        self._left = left
         bs, drop_last = batching
         self._bs = bs
         if bs is None:
@@ -321,7 +322,7 @@ class _BuiltinEpoch(Iterator[Any]):
         order = self._order
         if self._cut is not None:
             a = t * (bs or 1)
-            pos = self._cut.positions(a, min(a + (bs or 1), self._cut.left(self._n)))
+            pos = self._cut.positions(a, min(a + (bs or 1), self._left))
             if order is not None:
                 pos = order[pos]
             return int(pos[0]) if bs is None else pos.tolist()

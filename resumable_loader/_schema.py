@@ -9,7 +9,11 @@ survives ``torch.save`` + ``torch.load(weights_only=True)``, json (when the data
 is json-able) and msgpack (``dump_state``). Keys:
 
     format, version       what this is; refused if unknown
-    config                the configuration the state is valid for (refused on mismatch)
+    config                the configuration the state is valid for (refused on mismatch);
+                          its ``batch_sampler`` describes a batch_sampler passed to the
+                          loader (its class, and torch's batch size and drop_last), None where
+                          the loader batches itself: such batches' size is the batch
+                          sampler's own (``batch_size`` None), so the position is not re-cut
     seed                  the epoch's seed, every other seed of the epoch derives from it;
                           None when the epoch has not begun (drawn at its ``iter()``)
     seed_chain            where the next epochs' seeds come from: {root, next} (a root drawn
@@ -199,12 +203,25 @@ class ResumePoint:
     dataset: dict[str, Any] | None = None  # the data's record (``_fingerprint.record``)
     # The batch size ``consumed`` and ``ahead`` count in: the state's config.batch_size, as read.
     batch: int | None = field(default=None, compare=False)
+    # Whether the state's batches came from a batch_sampler passed to the loader (its
+    # config.batch_sampler is not None); None: not said (written before that was recorded).
+    batch_sampler: bool | None = field(default=None, compare=False)
     stateful: bool = False
     iterable: bool = False
     distributed: bool = False
     source: dict[str, Any] | None = field(default=None, compare=False)  # the state read
     # How the data differs from the state's (``_fingerprint.changes``), when the load allowed it.
     dataset_changes: list[str] = field(default_factory=list, compare=False)
+
+    def per_task(self) -> int | None:
+        """Samples per task in ``consumed`` and ``ahead``: the batch size (1 unbatched); None
+        when unknown -- the batches of a ``batch_sampler`` passed to the loader are of its own
+        making (the loader's ``batch_size`` is None), and a state written before
+        ``config.batch_sampler`` was recorded does not say, with ``batch_size`` None, whether
+        it batched at all. A position of unknown size per task cannot be re-cut or skipped."""
+        if self.batch is not None:
+            return self.batch
+        return 1 if self.batch_sampler is False else None
 
     def to_state(self, config: dict[str, Any]) -> dict[str, Any]:
         """The plain-data state (see the module docstring for the keys)."""
@@ -410,6 +427,8 @@ def parse_state(
         raise _fail(K_CUT, "a stateful sampler's state has no sample cut", "the state is damaged")
     rp.cut = cut
     rp.batch = sd[K_CONFIG].get("batch_size")
+    if "batch_sampler" in sd[K_CONFIG]:
+        rp.batch_sampler = sd[K_CONFIG]["batch_sampler"] is not None
     plan = sd.get(K_PLAN)
     if plan is not None and not isinstance(plan, dict):
         raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
@@ -590,6 +609,14 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
         raise _fail(
             "config.batch_size",
             f"expected None or an int >= 1, got {clip_repr(batch)}",
+            "the state is damaged",
+        )
+    own = cfg.get("batch_sampler")
+    if not (own is None or (type(own) is str and len(own) <= 1024 and batch is None)):
+        raise _fail(
+            "config.batch_sampler",
+            f"expected None or a description (a str, only with batch_size None), got "
+            f"{clip_repr(own)}",
             "the state is damaged",
         )
     saved_len = cfg.get("dataset_len")

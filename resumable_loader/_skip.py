@@ -11,7 +11,8 @@ arithmetic on the state, done offline -- on a checkpoint file, before any loader
   (``_distributed``) for the ranks' consumed samples and one more of world size 1 that takes
   the next ``n`` samples of the global stream: any number of ranks then resumes after them.
   O(number of ranks + levels).
-* streams, stateful user samplers and replayed samplers: refused (see ``skip_samples``).
+* streams, user batch samplers, stateful user samplers and replayed samplers: refused (see
+  ``skip_samples``).
 
 A skip stays inside the epoch the state is in: past its end, the next epoch's order would be
 needed, and with it its seed (a ``DistributedSampler``'s epoch is set by the script), which a
@@ -29,7 +30,7 @@ from typing import Any
 from . import _distributed as D
 from . import _schema as S
 from ._codec import clip_repr
-from ._cursor import Cut
+from ._cursor import Cut, check_cut
 from ._errors import CheckpointError
 from ._seeding import DIST_SEED, derive_seed
 
@@ -52,7 +53,9 @@ def skip_samples(state: dict[str, Any], n: int) -> dict[str, Any]:
         state: a ``DataLoader.state_dict()`` -- one loader's, or the job's global state (saved
             by ``torch.distributed.checkpoint``, or ``merge_rank_states``); for a
             ``DistributedSampler`` only the global state says where every rank stands.
-        n: how many samples of the global stream to skip, ``>= 0``.
+        n: how many samples of the global stream to skip, ``>= 0``. A global state of ranks
+            under another sampler than ``DistributedSampler`` (each rank iterates its own
+            stream) skips ``n`` samples of each rank's stream: ``world_size * n`` in all.
 
     Returns:
         The new state, of the same kind (one loader's, or global).
@@ -61,7 +64,8 @@ def skip_samples(state: dict[str, Any], n: int) -> dict[str, Any]:
         TypeError: ``n`` is not an int.
         ValueError: ``n`` is negative.
         CheckpointError: the state is malformed; or its position cannot be moved without reading
-            (an iterable dataset, a sampler with its own ``state_dict()``, a sampler that is
+            (an iterable dataset, a user ``batch_sampler``, whose batches' size is its own, a
+            sampler with its own ``state_dict()``, a sampler that is
             replayed, one rank's state under a ``DistributedSampler``, a ``DistributedSampler``
             job between epochs); or fewer than ``n`` samples are left of its epoch. The message
             says which and what to do.
@@ -151,8 +155,15 @@ def _skip_one(sd: dict[str, Any], n: int) -> dict[str, Any]:
         raise _fail(f"expected a loader state (a dict), got {type(sd).__name__}")
     total = _epoch_samples(sd)
     rp = _parse(sd)
+    per_task = _per_task(rp)
+    # Checked against the epoch's length here: the parse alone cannot bound it, and advance()
+    # on a cut past the end would clamp what is left to 0 instead of saying it is damaged.
+    _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, total)
+    if problem is not None:
+        raise _fail(f"{S.K_CUT}: {problem}; the state is damaged")
+    drop_last = sd[S.K_CONFIG].get("drop_last") is True
     try:
-        cut = (rp.cut or Cut()).advance(total, rp.batch or 1, rp.consumed, rp.ahead)
+        cut = (rp.cut or Cut()).advance(total, per_task, rp.consumed, rp.ahead, drop_last)
     except ValueError as e:
         raise _fail(f"{e}; the state is damaged") from None
     left = cut.left(total)
@@ -170,6 +181,24 @@ def _skip_one(sd: dict[str, Any], n: int) -> dict[str, Any]:
         out[S.K_CUT] = cut.to_state()
     out[S.K_SKIPPED_SAMPLES] = [*rp.skipped_samples, [rp.epoch, total - left, n]]
     return out
+
+
+def _per_task(rp: S.ResumePoint) -> int:
+    """Samples per batch of the state's position; refused where a batch_sampler made them."""
+    per_task = rp.per_task()
+    if per_task is None:
+        why = (
+            "the loader's batches came from a batch_sampler passed to it"
+            if rp.batch_sampler
+            else "the state has batch_size=None and does not say whether a batch_sampler made "
+            "its batches (it was written before that was recorded)"
+        )
+        raise _fail(
+            f"{why}: its position counts batches of the batch sampler's making, whose size the "
+            "state does not hold. Skip with the batch sampler itself, or build the loader with "
+            "batch_size=... (shuffle=True/False, a DistributedSampler or a Mixture)."
+        )
+    return per_task
 
 
 def _past_end(n: int, left: int, epoch: int) -> str:
@@ -225,14 +254,19 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
     length = D.level_length(total, ref.history, drop_last)
     share = D.cut_length(length, world, drop_last) // world
     taken = [
-        share if p.epoch != epoch else D.samples_taken(p.consumed, share, p.batch) for p in points
+        share if p.epoch != epoch else D.samples_taken(p.consumed, share, _per_task(p))
+        for p in points
     ]
-    left = D.remaining_length(length, world, taken, drop_last)
+    # With nothing taken at this level it is not closed (below), so no drop_last trim to this
+    # world size applies: all of it is left.
+    left = D.remaining_length(length, world, taken, drop_last) if any(taken) else length
     if n > left:
         raise _fail(_past_end(n, left, epoch))
     if n == 0:
         return [copy.deepcopy(sd) for sd in states]
-    history = [*ref.history, [world, taken], [1, [n]]]
+    # Nothing taken at the current level (a skip after a skip, or after a re-cut): no level
+    # of zeros, whose drop_last trim to this world size would drop samples.
+    history = [*ref.history, *([[world, taken]] if any(taken) else []), [1, [n]]]
     record = [epoch, total - left, n]
     out = []
     for r, (sd, p) in enumerate(zip(states, points)):

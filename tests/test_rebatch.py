@@ -380,3 +380,135 @@ def test_a_mixture_under_a_distributed_sampler_recuts_with_its_plan() -> None:
         after += [v for batch in loader for v in batch]
     ref = mix()
     assert sorted(before + after) == sorted(ref[p] for p in range(16))
+
+
+# ---- a user batch_sampler (review of #24, E1) ----------------------------------------------
+
+
+def _user_batches(ds: Any, size: int, sampler: Any = None) -> DataLoader:
+    inner = torch.utils.data.SequentialSampler(ds) if sampler is None else sampler
+    return DataLoader(ds, batch_sampler=torch.utils.data.BatchSampler(inner, size, False))
+
+
+def _idx(loader: DataLoader) -> list[list[int]]:
+    return [batch["idx"].tolist() for batch in loader]
+
+
+def test_a_user_batch_sampler_resumes_exactly_and_refuses_another_batching() -> None:
+    """Its batches' size is the batch sampler's own (torch sets batch_size=None): its state
+    counts those batches. The same batching resumes at the next one; any other is refused
+    (before the fix, each read "2 batches" as 2 samples, or as 2 batches of the new size)."""
+    ds = RangeDataset(24)
+    first = _user_batches(ds, 4)
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    same = _user_batches(ds, 4)
+    same.load_state_dict(state)
+    assert _idx(same) == [list(range(a, a + 4)) for a in range(8, 24, 4)]
+    for other in (DataLoader(ds, batch_size=4), _user_batches(ds, 8)):
+        before = other.state_dict()
+        with pytest.raises(CheckpointError, match="batch_sampler") as info:
+            other.load_state_dict(state)
+        assert "batch_size=4, drop_last=False" in str(info.value)
+        assert other.state_dict() == before  # left as it was
+    # ... and the other way round: a batch_size=4 position is not cut by a batch sampler.
+    plain = DataLoader(ds, batch_size=4)
+    next(iter(plain))
+    with pytest.raises(CheckpointError, match="batch_sampler"):
+        _user_batches(ds, 4).load_state_dict(plain.state_dict())
+
+
+def test_a_user_batch_sampler_job_refuses_a_recut() -> None:
+    """A BatchSampler over a DistributedSampler on 2 ranks, its global state loaded by a loader
+    with batch_size=4 or on 3 ranks: refused (before the fix: samples re-delivered)."""
+    ds = RangeDataset(24)
+    ranks = [_user_batches(ds, 4, DistributedSampler(ds, 2, r, shuffle=False)) for r in range(2)]
+    for loader in ranks:
+        next(iter(loader))
+    state = merge_rank_states([x.state_dict() for x in ranks])
+    again = [
+        DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, 2, 0, shuffle=False)),
+        _user_batches(ds, 4, DistributedSampler(ds, 3, 0, shuffle=False)),
+    ]
+    for loader in again:
+        with pytest.raises(CheckpointError, match="batch_sampler"):
+            loader.load_state_dict(state)
+    same = _user_batches(ds, 4, DistributedSampler(ds, 2, 1, shuffle=False))
+    same.load_state_dict(state)
+    assert _idx(same) == [[9, 11, 13, 15], [17, 19, 21, 23]]
+
+
+# ---- a damaged cut with another batch size (review of #24, V1) -----------------------------
+
+
+@pytest.mark.parametrize(
+    "holes, start",
+    [([], 10**12), ([[30, 100]], 10), ([[5, 10**15]], 2)],
+    ids=["start-past-the-end", "hole-past-the-end", "huge-hole"],
+)
+def test_a_damaged_sample_cut_is_refused_by_another_batch_size(holes: Any, start: int) -> None:
+    """Before the fix, the re-cut clamped what was left to 0 and delivered nothing."""
+    loader = _loader(24, 4, False, False, 1)
+    state = dict(loader.state_dict(), sample_cut={"start": start, "holes": holes})
+    other = _loader(24, 3, False, False, 1)
+    with pytest.raises(CheckpointError, match="sample_cut"):
+        other.load_state_dict(state)
+
+
+def test_drop_last_bounds_the_batches_a_recut_state_may_have_consumed() -> None:
+    """10 samples, batch 4, drop_last: 2 batches make the epoch; a state saying 3 were consumed
+    is damaged (before the fix, the check counted the partial batch torch drops)."""
+    loader = _loader(10, 4, False, True, 1)
+    next(iter(loader))
+    state = dict(loader.state_dict(), consumed=3)
+    with pytest.raises(CheckpointError, match="consumed"):
+        _loader(10, 2, False, True, 1).load_state_dict(state)
+
+
+# ---- the cursor with many holes (review of #24, V2) ----------------------------------------
+
+
+@FAST
+@given(
+    n=st.integers(1, 60),
+    raw=st.lists(st.tuples(st.integers(1, 59), st.integers(1, 4)), max_size=6),
+    per=st.integers(1, 5),
+    consumed=st.integers(0, 12),
+    ahead=st.sets(st.integers(0, 14), max_size=5),
+    drop_last=st.booleans(),
+)
+def test_the_cursor_advances_as_the_positions_it_names(
+    n: int,
+    raw: list[tuple[int, int]],
+    per: int,
+    consumed: int,
+    ahead: set[int],
+    drop_last: bool,
+) -> None:
+    """Cut.advance against the rest of the epoch as a plain list: consumed batches and those
+    ahead leave it, the rest stays in order (or a ValueError for a batch past the end)."""
+    from resumable_loader._cursor import _normal
+
+    cut = _normal(0, [(f, c) for f, c in raw if f + c <= n], n)  # holes inside the epoch
+    rest = [p for p in range(cut.start, n) if not any(f <= p < f + c for f, c in cut.holes)]
+    assert cut.positions(0, len(rest)).tolist() == rest
+    batches = _cut(rest, per, drop_last)
+    ahead = {t for t in ahead if t > consumed}
+    if consumed > len(batches) or any(t >= len(batches) for t in ahead):
+        with pytest.raises(ValueError):
+            cut.advance(n, per, consumed, ahead, drop_last)
+        return
+    gone = {p for t in [*range(consumed), *ahead] for p in batches[t]}
+    new = cut.advance(n, per, consumed, ahead, drop_last)
+    assert new.positions(0, new.left(n)).tolist() == [p for p in rest if p not in gone]
+
+
+def test_a_cut_with_too_many_holes_is_refused() -> None:
+    from resumable_loader._cursor import MAX_HOLES
+
+    holes = [[2 * i + 1, 1] for i in range(MAX_HOLES + 1)]
+    loader = _loader(24, 4, False, False, 1)
+    state = dict(loader.state_dict(), sample_cut={"start": 0, "holes": holes})
+    with pytest.raises(CheckpointError, match=f"more than the {MAX_HOLES}"):
+        _loader(24, 4, False, False, 1).load_state_dict(state)

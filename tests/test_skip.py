@@ -305,3 +305,148 @@ def test_cli_skip_refuses_planted_files_and_writes_nothing(
     stream.write_bytes(dump_state(DataLoader(ShardedStream(4)).state_dict()))
     assert main(["skip", str(stream), "--samples", "1"]) == 2
     assert "iterable dataset" in capsys.readouterr().err
+
+
+# ---- review of #24 -------------------------------------------------------------------------
+
+
+def test_a_user_batch_samplers_position_is_not_skipped() -> None:
+    """Its batches' size is not in the state (batch_size=None): before the fix, 2 batches of
+    4 were read as 2 samples and the skip resumed at sample 3."""
+    ds = RangeDataset(24)
+    batches = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(ds), 4, False)
+    loader = DataLoader(ds, batch_sampler=batches)
+    it = iter(loader)
+    next(it), next(it)
+    with pytest.raises(CheckpointError, match="batch_sampler"):
+        skip_samples(loader.state_dict(), 1)
+
+
+def _dist_drop_last(world: int, rank: int) -> DataLoader:
+    ds = RangeDataset(24)
+    return DataLoader(
+        ds, batch_size=1, sampler=DistributedSampler(ds, world, rank, shuffle=False, drop_last=True)
+    )
+
+
+def _after(state: dict[str, Any], world: int) -> list[int]:
+    out: list[int] = []
+    for r in range(world):
+        loader = _dist_drop_last(world, r)
+        loader.load_state_dict(state)
+        out += [i for batch in loader for i in _ids(batch)]
+    return sorted(out)
+
+
+def test_a_skip_adds_no_empty_level_that_drop_last_would_trim() -> None:
+    """4 ranks take 2 samples each (0-7), 5 are skipped: 13-23 are left. Before the fix a
+    level of zeros was added at each skip (and at each re-cut of a skipped state), whose
+    drop_last trim to 4 ranks dropped samples: 3 ranks got 6 of them, not 9, and a second
+    skip of 3 left 16-19 instead of 16-23."""
+    job = [_dist_drop_last(4, r) for r in range(4)]
+    its = [iter(x) for x in job]
+    for _ in range(2):
+        for it in its:
+            next(it)
+    state = skip_samples(merge_rank_states([x.state_dict() for x in job]), 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the announced drop_last tail
+        assert _after(state, 3) == list(range(13, 22))  # 11 left, 9 for 3 ranks
+        assert _after(skip_samples(state, 3), 4) == list(range(16, 24))
+        # A re-cut loaded and saved before iter() holds no empty level either.
+        recut = [_dist_drop_last(2, r) for r in range(2)]
+        for loader in recut:
+            loader.load_state_dict(state)
+        again = merge_rank_states([x.state_dict() for x in recut])
+        assert _after(skip_samples(again, 3), 4) == list(range(16, 24))
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [{"start": 10**12, "holes": []}, {"start": 10, "holes": [[30, 100]]}],
+    ids=["start-past-the-end", "hole-past-the-end"],
+)
+def test_a_damaged_sample_cut_is_refused_by_a_skip(cut: dict[str, Any]) -> None:
+    """Before the fix: "only 0 samples are left" rather than the state is damaged."""
+    state = dict(_loader(RangeDataset(24), 4, False).state_dict(), sample_cut=cut)
+    with pytest.raises(CheckpointError, match=r"sample_cut.*damaged"):
+        skip_samples(state, 1)
+
+
+class _UnhashableIndex:
+    """Pickles as torch's MetadataIndex (an allowed class) whose offset is a list: the
+    storage_data key it makes cannot be hashed when the real classes are built."""
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # what pickle names: as torch's dataclass pickles
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        return MetadataIndex
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import copyreg
+
+        state = {"fqn": self.fqn, "offset": [0], "index": None}
+        return (copyreg.__newobj__, (self.__class__,), state)
+
+
+def test_cli_skip_refuses_a_metadata_file_that_fails_to_build(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A .metadata of allowed classes built from values that make them raise: one line, exit
+    2, nothing written (before the fix: a TypeError traceback)."""
+    ckpt = tmp_path / "ckpt"
+    _saved_dcp(ckpt)
+    meta = pickle.loads((ckpt / ".metadata").read_bytes())  # our own file: trusted here
+    index = next(k for k in meta.storage_data if k.fqn.startswith("loader."))
+    meta.storage_data[_UnhashableIndex(index.fqn)] = meta.storage_data.pop(index)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    out = tmp_path / "out"
+    assert main(["skip", str(ckpt), "--samples", "1", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "damaged" in err and "TypeError" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _saved_dcp(ckpt: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    loader = _ranks(20, 1, 2)[0]
+    next(iter(loader))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.distributed is disabled
+        dcp.save({"loader": loader}, checkpoint_id=str(ckpt))
+
+
+def test_cli_skip_refuses_an_output_inside_the_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    _saved_dcp(ckpt)
+    before = sorted(p.name for p in ckpt.iterdir())
+    assert main(["skip", str(ckpt), "--samples", "1", "-o", str(ckpt / "sub")]) == 2
+    assert "inside" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_cli_skip_refuses_tensors_saved_on_another_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read onto the CPU and written back, a CUDA tensor would come back a CPU one. No GPU
+    here: the file's location tag says cuda:0, as torch.save writes it for a CUDA tensor."""
+    import torch.serialization as ser
+
+    state, _ = _state_after(2)
+    path = tmp_path / "ckpt.pt"
+    with monkeypatch.context() as m:
+        m.setattr(ser, "location_tag", lambda storage: "cuda:0")
+        torch.save({"model": {"w": torch.ones(3)}, "loader": state}, path)
+    data = path.read_bytes()
+    assert main(["skip", str(path), "--samples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'cuda:0'" in err and "skip_samples" in err
+    assert path.read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
