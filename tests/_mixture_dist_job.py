@@ -17,8 +17,6 @@ import os
 import sys
 from typing import Any
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import DataLoader, Mixture
@@ -57,6 +55,12 @@ def pairs(batches: Any) -> list[list[Any]]:
 
 
 def main() -> None:
+    # Imported here: the test process imports this module for its constants, and
+    # torch.distributed.checkpoint (sympy with it) would add 50 MB to the process every
+    # worker of every later test is forked from.
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
     out, ckpt, phase = sys.argv[1:4]
     dist.init_process_group("gloo")
     rank = dist.get_rank()

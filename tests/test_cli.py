@@ -208,6 +208,7 @@ def test_summary_explains_outstanding_seeds_and_worker_states() -> None:
     assert "stats" in text.split("other keys")[1]  # an unknown key is listed as such
 
 
+@pytest.mark.heavy_imports
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_cli_inspects_the_loader_in_a_dcp_directory(tmp_path: Path) -> None:
     import torch
@@ -277,6 +278,7 @@ def test_cli_refuses_a_planted_dcp_metadata_file_without_running_it(
     assert "inspect reads none of it" in err
 
 
+@pytest.mark.heavy_imports
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_cli_refuses_a_real_dcp_directory_with_an_entry_swapped_for_a_pickle(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

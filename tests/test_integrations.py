@@ -30,19 +30,24 @@ import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # No network at test time: everything here is built locally.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets
 import pytest
 import torch
 from _children import assert_same_steps, read_steps, run_child
 
 from resumable_loader import DataLoader
 from resumable_loader.testing import canonical, kill_at, kill_worker, roundtrip_state
+
+if TYPE_CHECKING:
+    import datasets
+
+# datasets, transformers and lightning in the test process: see tests/conftest.py.
+pytestmark = pytest.mark.heavy_imports
 
 # ---- Hugging Face datasets --------------------------------------------------------------------
 HF_ITEMS = 48
@@ -63,6 +68,11 @@ def make_hf_stream() -> datasets.IterableDataset:
     No ``.shuffle(buffer_size=...)``: datasets documents that a shuffle buffer's content is not
     in its state (a resume refills it), so no loader can resume one exactly.
     """
+    # Imported here, not at collection: datasets brings pyarrow and pandas (85 MB) into the test
+    # process, and every worker of every later test is forked from it (tests/conftest.py runs
+    # the tests marked heavy_imports last).
+    import datasets
+
     ds = datasets.Dataset.from_dict({"id": list(range(HF_ITEMS))})
     return ds.to_iterable_dataset(num_shards=HF_SHARDS).map(_augment)
 

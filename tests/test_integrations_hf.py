@@ -35,6 +35,9 @@ from resumable_loader import CheckpointError, DataLoader
 from resumable_loader.integrations import _common
 from resumable_loader.integrations.accelerate import _placing, prepare_data_loader
 
+# accelerate and transformers in the test process: see tests/conftest.py.
+pytestmark = pytest.mark.heavy_imports
+
 JOBS = Path(__file__).with_name("_hf_jobs.py")
 # The job's shape (``_hf_jobs``): batches of 4 out of 22 items or a 40-item stream, 3 epochs.
 # Steps of a whole run: over all ranks for a map dataset, per rank for a stream (each rank

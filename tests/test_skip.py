@@ -248,6 +248,7 @@ def test_cli_skips_in_a_torch_save_checkpoint_by_key_and_by_search(tmp_path: Pat
     assert _resumed(torch.load(path, weights_only=True)["train"]["loader"]) == rest[1:]
 
 
+@pytest.mark.heavy_imports
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_cli_skips_in_a_dcp_directory_into_a_new_one(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
@@ -393,6 +394,7 @@ class _UnhashableIndex:
         return (copyreg.__newobj__, (self.__class__,), state)
 
 
+@pytest.mark.heavy_imports
 def test_cli_skip_refuses_a_metadata_file_that_fails_to_build(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
