@@ -746,29 +746,29 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
         )
 
 
-def _read_skipped(sd: dict[str, Any]) -> list[Any]:
-    skipped = sd.get(K_SKIPPED, [])
-    if not isinstance(skipped, list) or not all(
-        isinstance(x, list) and len(x) == 3 and type(x[0]) is int and type(x[1]) is int
-        for x in skipped
+def _read_triples(sd: dict[str, Any], key: str, valid: Any, shape: str) -> list[list[Any]]:
+    """A list of three-item lists under ``key`` (absent: empty), each passing ``valid``."""
+    entries = sd.get(key, [])
+    if not isinstance(entries, list) or not all(
+        isinstance(x, list) and len(x) == 3 and valid(x) for x in entries
     ):
-        raise _fail(
-            K_SKIPPED,
-            f"expected [[epoch, task id, indices], ...], got {clip_repr(skipped)}",
-            "the state is damaged",
-        )
-    return [list(x) for x in skipped]
+        raise _fail(key, f"expected {shape}, got {clip_repr(entries)}", "the state is damaged")
+    return [list(x) for x in entries]
+
+
+def _read_skipped(sd: dict[str, Any]) -> list[Any]:
+    return _read_triples(
+        sd,
+        K_SKIPPED,
+        lambda x: type(x[0]) is int and type(x[1]) is int,
+        "[[epoch, task id, indices], ...]",
+    )
 
 
 def _read_skipped_samples(sd: dict[str, Any]) -> list[list[int]]:
-    skipped = sd.get(K_SKIPPED_SAMPLES, [])
-    if not isinstance(skipped, list) or not all(
-        isinstance(x, list) and len(x) == 3 and all(type(v) is int and v >= 0 for v in x)
-        for x in skipped
-    ):
-        raise _fail(
-            K_SKIPPED_SAMPLES,
-            f"expected [[epoch, samples before, count], ...], got {clip_repr(skipped)}",
-            "the state is damaged",
-        )
-    return [list(x) for x in skipped]
+    return _read_triples(
+        sd,
+        K_SKIPPED_SAMPLES,
+        lambda x: all(type(v) is int and v >= 0 for v in x),
+        "[[epoch, samples before, count], ...]",
+    )

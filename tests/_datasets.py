@@ -335,6 +335,22 @@ class FailingCollate:
         return default_collate(batch)
 
 
+class Tagged(torch.utils.data.Dataset):
+    """Item ``i`` is the string ``"name/i"``: a source of a ``Mixture`` whose items say where
+    they came from."""
+
+    def __init__(self, name: str, n: int) -> None:
+        self.name, self.n = name, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> str:
+        if not 0 <= i < self.n:
+            raise IndexError(f"{self.name}: index {i} out of range({self.n})")
+        return f"{self.name}/{i}"
+
+
 def record_worker_init(path: str, worker_id: int) -> None:
     """``worker_init_fn`` body: append "worker_id pid" to ``path`` (bind path with partial)."""
     _append_line(path, f"{worker_id} {os.getpid()}")

@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any
 
+from _datasets import Tagged
 from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import DataLoader, Mixture
@@ -26,17 +27,6 @@ SIZES = {"a": 9, "b": 5}
 SAVED = {"a": 3, "b": 1}
 RESUMED = {"a": 1, "b": 3}
 N = 26  # positions per epoch: 2 ranks share it evenly, and 3 ranks share what 2 steps leave
-
-
-class Tagged:
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> str:
-        return f"{self.name}/{i}"
 
 
 class Positions(Mixture):

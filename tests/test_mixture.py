@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _datasets import Tagged
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
@@ -33,21 +34,6 @@ FAST = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-class Tagged(torch.utils.data.Dataset):
-    """Item ``i`` is the string ``"name/i"``."""
-
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> str:
-        if not 0 <= i < self.n:
-            raise IndexError(f"{self.name}: index {i} out of range({self.n})")
-        return f"{self.name}/{i}"
 
 
 class Fingerprinted(Tagged):

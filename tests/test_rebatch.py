@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from _datasets import EveryOtherReversedSampler, RandomAugDataset, RangeDataset, ShardedStream
+from _datasets import (
+    EveryOtherReversedSampler,
+    RandomAugDataset,
+    RangeDataset,
+    ShardedStream,
+    Tagged,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import Sampler
@@ -324,23 +330,12 @@ def test_distributed_resume_with_another_batch_and_world_size(
     assert n - len(ids) <= dropped
 
 
-class _Tagged:
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> str:
-        return f"{self.name}/{i}"
-
-
 def test_a_mixture_resumed_with_another_batch_size_and_weights() -> None:
     """shuffle=False over a Mixture: 2 batches of 4 consumed, resumed with batches of 3 and new
     weights, which apply from position 8 -- the first one not consumed."""
 
     def mix(weights: dict[str, int]) -> Mixture:
-        return Mixture({"a": _Tagged("a", 11), "b": _Tagged("b", 7)}, weights, seed=1)
+        return Mixture({"a": Tagged("a", 11), "b": Tagged("b", 7)}, weights, seed=1)
 
     first = DataLoader(mix({"a": 1, "b": 1}), batch_size=4)
     it = iter(first)
@@ -360,7 +355,7 @@ def test_a_mixture_under_a_distributed_sampler_recuts_with_its_plan() -> None:
 
     def mix() -> Mixture:
         # 16 positions: 2 ranks take 4, and 3 ranks share the 12 left without padding.
-        sources = {"a": _Tagged("a", 11), "b": _Tagged("b", 7)}
+        sources = {"a": Tagged("a", 11), "b": Tagged("b", 7)}
         return Mixture(sources, {"a": 2, "b": 1}, seed=4, num_samples=16)
 
     def ranks(world: int, b: int) -> list[DataLoader]:
