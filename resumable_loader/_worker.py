@@ -869,6 +869,13 @@ class _WorkerLoop:
         # storages are copied into the segment anyway (see _transport._place).
         # A pooled segment takes them all as they lie.
         fetcher.shared = self.shm_ok and (shm.pooled or not shm.packing)
+        if not shm.large and not self.custom_collate:
+            # Every batch so far fit in its message (small tensors, no tensors): torch's
+            # collate would build each in a storage from the pool hook, 9 us more than in
+            # ordinary memory. One that turns out large is shared at send (one copy), and from
+            # then on batches go to /dev/shm as above. (A custom collate_fn keeps seeing its
+            # worker info: _collate hides it for an unshared collate.)
+            fetcher.shared = False
         if spec.iterable:
             fetcher.guard_collate = self.custom_collate and fetcher.shared and shm.large
         gen = self.gen
