@@ -40,7 +40,8 @@ Memory: a batch has one owner at a time. Nothing on the send path may form a ref
 with the batch: the pickler's memo holds every object it pickled until the pickler dies, so a
 pickler kept alive by a cycle would keep the batch -- and its /dev/shm segment -- until Python's
 cycle collector happened to run (issue #16: 42 segments mapped per worker). Hence the storage
-reducer is a ``functools.partial`` over an ``_Outbox``, never a bound method of the pickler.
+reducer is a module function that finds the message's ``_Outbox`` in a thread-local while that
+message is pickled, never a bound method of the pickler.
 
 A full /dev/shm: when a storage cannot get shared memory (torch raises "unable to allocate
 shared memory(shm) ... No space left on device"; its allocator reserves the pages with
@@ -56,7 +57,6 @@ import array
 import contextlib
 import ctypes
 import errno
-import functools
 import io
 import os
 import pickle
@@ -70,6 +70,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
 # 64-bit lengths: a message of any size torch's own pipe would carry (multiprocessing frames
 # over 2 GiB with an 8-byte length too) can be framed -- a batch copied inline over 4 GiB (a
@@ -115,10 +116,6 @@ def _rebuild_fd_storage(index: int, nbytes: int) -> torch.UntypedStorage:
         return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
     finally:
         os.close(fd)
-
-
-def _rebuild_bytes_storage(data: bytes) -> torch.UntypedStorage:
-    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
 
 
 def _rebuild_empty_storage() -> torch.UntypedStorage:
@@ -459,12 +456,15 @@ def collating() -> Iterator[None]:
         yield
         return
     pool.offset = pool.asked = 0
+    if "_new_shared" not in torch.UntypedStorage.__dict__:
+        # Installed once and kept: setting a class attribute per batch invalidated Python's
+        # method caches for every storage type (a few microseconds a batch). Outside a
+        # collate -- other threads, other times -- it defers to torch's own (``pool.thread``).
+        torch.UntypedStorage._new_shared = classmethod(_pooled_new_shared)  # type: ignore[assignment,method-assign]
     pool.thread = threading.get_ident()
-    torch.UntypedStorage._new_shared = classmethod(_pooled_new_shared)  # type: ignore[assignment,method-assign]
     try:
         yield
     finally:
-        del torch.UntypedStorage._new_shared  # back to torch's own (inherited) method
         pool.thread = 0
         pool.demand = pool.asked
 
@@ -553,6 +553,7 @@ class _Outbox:
         "shm",
         "slot_of",
         "slots",
+        "small",
     )
 
     def __init__(self, fds: list[int], shm: bool, policy: ShmPolicy | None) -> None:
@@ -576,6 +577,9 @@ class _Outbox:
         self.pool_seg: _Segment | None = None
         self.pooled_bytes = 0
         self.pool_sent: tuple[bool, int] = (False, 0)  # see ``_pool_info``
+        # Small storages copied into the message, by data pointer: one bytearray per storage,
+        # which pickle's memo sends once, so tensors that shared it still share it when rebuilt.
+        self.small: dict[int, bytearray] = {}
 
     def unsent(self) -> None:
         """The message did not reach the receiver: return the references taken for it, or
@@ -602,7 +606,7 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
             out.pooled_bytes += nbytes
             return (_rebuild_pooled, (off, nbytes))
     if nbytes <= INLINE_MAX:
-        return (_rebuild_bytes_storage, (_byte_view(storage).tobytes(),))
+        return (_rebuild_small_storage, (_small_bytes(out, storage, nbytes),))
     # Already in shared memory (a collate in a worker allocates there): sharing allocates
     # nothing, so it is done even for a batch that was told to stay out of /dev/shm.
     if out.shm or storage.is_shared():
@@ -615,6 +619,51 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
             out.slots.append(storage)
         return (_rebuild_slot, (slot,))
     return _fallback(out, storage)
+
+
+def _small_bytes(out: _Outbox, storage: torch.UntypedStorage, nbytes: int) -> bytearray:
+    key = storage.data_ptr()
+    data = out.small.get(key)
+    if data is None:
+        data = out.small[key] = bytearray(ctypes.string_at(key, nbytes))
+    return data
+
+
+def _rebuild_small_storage(data: bytearray) -> torch.UntypedStorage:
+    return torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+
+
+def _rebuild_small_tensor(data: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> Any:
+    return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> Any:
+    """A small plain CPU tensor that is its whole storage travels as its bytes, its dtype and
+    its shape: a third of the cost of torch's reduction, which rebuilds a typed storage and
+    sets the tensor's metadata field by field -- per batch, on both sides, the largest fixed
+    cost of a small batch. Anything else goes through torch's ``reduce_tensor`` unchanged.
+    Its bytes are the storage's (``_small_bytes``): a view of the same storage elsewhere in the
+    message still shares them once rebuilt."""
+    out = _tls.out
+    if (
+        type(tensor) is torch.Tensor
+        and not tensor.requires_grad
+        and tensor.layout == torch.strided
+        and tensor.device.type == "cpu"
+        and tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and not tensor.is_quantized
+    ):
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if 0 < nbytes <= INLINE_MAX and nbytes == tensor.nbytes:
+            pool = out.pool
+            if pool is None or pool.where(storage) < 0:
+                data = _small_bytes(out, storage, nbytes)
+                return (_rebuild_small_tensor, (data, tensor.dtype, tuple(tensor.shape)))
+    return _torch_reduce_tensor(tensor)
 
 
 def _fallback(out: _Outbox, storage: Any) -> Any:
@@ -734,14 +783,30 @@ def _share(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     return (_rebuild_fd_storage, (len(out.fds) - 1, size))
 
 
-class _Pickler(ForkingPickler):
-    """ForkingPickler (torch's reductions included) with in-band fds for CPU storages."""
+def _reduce_outbox_storage(storage: torch.UntypedStorage) -> Any:
+    return _reduce_storage(_tls.out, storage)
 
-    def __init__(self, file: Any, out: _Outbox) -> None:
-        super().__init__(file, 5)
-        # A partial over the outbox, not a bound method: a bound method would make the cycle
-        # pickler -> dispatch_table -> method -> pickler, and the memo would keep the batch.
-        self.dispatch_table[torch.UntypedStorage] = functools.partial(_reduce_storage, out)
+
+# ForkingPickler copies copyreg's table and its own reducers into a fresh dict for every
+# pickler: ~10 us a message, the largest fixed cost of pickling a small batch. The merged table
+# is built once instead (again when a reducer was registered since) and shared by every
+# message's pickler; the storage entry finds the message's outbox in ``_tls.out`` while that
+# message is pickled, so nothing in the table refers to a message (see the module docstring).
+_table_cache: list[Any] = [None, -1, -1]  # [table, len(copyreg's), len(ForkingPickler's)]
+
+
+def _dispatch_table() -> dict[Any, Any]:
+    import copyreg
+
+    extra: dict[Any, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    table, n_copyreg, n_extra = _table_cache
+    if table is None or n_copyreg != len(copyreg.dispatch_table) or n_extra != len(extra):
+        table = dict(copyreg.dispatch_table)
+        table.update(extra)
+        table[torch.UntypedStorage] = _reduce_outbox_storage
+        table[torch.Tensor] = _reduce_tensor
+        _table_cache[:] = [table, len(copyreg.dispatch_table), len(extra)]
+    return table
 
 
 def dumps(
@@ -752,10 +817,14 @@ def dumps(
     ``shm=False``: large storages not already in shared memory are copied into the payload."""
     buf = io.BytesIO()
     out = _Outbox([], shm, policy)
-    pickler = _Pickler(buf, out)
+    pickler = pickle.Pickler(buf, 5)
+    pickler.dispatch_table = _dispatch_table()
+    outer = getattr(_tls, "out", None)  # (a reducer of the batch may itself call dumps)
+    _tls.out = out
     try:
         pickler.dump(obj)
     finally:
+        _tls.out = outer
         # The memo refers to everything pickled; release it now, whatever refers to the pickler.
         pickler.clear_memo()
         del pickler

@@ -80,6 +80,7 @@ STATE_WARMUP = 8
 # How often an idle worker checks that its parent is still alive. A worker whose parent died
 # must not linger; one second keeps the check cheap and the orphan's life short.
 PARENT_CHECK_INTERVAL_S = 1.0
+PARENT_CHECK_INTERVAL_MS = int(PARENT_CHECK_INTERVAL_S * 1000)
 # The parent watch (``_ParentWatch``) sees the main process die at once where the kernel can
 # say so (a pidfd, the task pipe's hang-up); where it cannot, it looks this often.
 PARENT_WATCH_TICK_S = 0.25
@@ -787,6 +788,8 @@ class _WorkerLoop:
         self.shm = _transport.ShmPolicy(spec.prefetch_factor + 1)
         self.shm_ok = True  # the batch being built may use /dev/shm (ShmPolicy.allow)
         self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
+        self.poller = select.poll()
+        self.poller.register(task_conn.fileno(), select.POLLIN)
         self.arrivals = 0
 
     def _reseed(self) -> None:
@@ -807,9 +810,11 @@ class _WorkerLoop:
     def _receive(self) -> bool:
         """Take everything waiting in the pipe (so the lowest task id runs first), blocking
         while there is nothing to do; False when the worker must exit."""
-        conn = self.task_conn
-        while not self.pending or conn.poll(0):
-            if not self.pending and not conn.poll(PARENT_CHECK_INTERVAL_S):
+        conn, ready = self.task_conn, self.poller.poll
+        # (select.poll on the pipe, made once: Connection.poll builds a selector per call,
+        # twice per batch. Any event -- data, or the hang-up that ends the loop -- is a recv.)
+        while not self.pending or ready(0):
+            if not self.pending and not ready(PARENT_CHECK_INTERVAL_MS):
                 if os.getppid() != self.parent:
                     return False  # orphaned: our main process is gone
                 continue
@@ -864,6 +869,13 @@ class _WorkerLoop:
         # storages are copied into the segment anyway (see _transport._place).
         # A pooled segment takes them all as they lie.
         fetcher.shared = self.shm_ok and (shm.pooled or not shm.packing)
+        if not shm.large and not self.custom_collate:
+            # Every batch so far fit in its message (small tensors, no tensors): torch's
+            # collate would build each in a storage from the pool hook, 9 us more than in
+            # ordinary memory. One that turns out large is shared at send (one copy), and from
+            # then on batches go to /dev/shm as above. (A custom collate_fn keeps seeing its
+            # worker info: _collate hides it for an unshared collate.)
+            fetcher.shared = False
         if spec.iterable:
             fetcher.guard_collate = self.custom_collate and fetcher.shared and shm.large
         gen = self.gen

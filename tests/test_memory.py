@@ -946,3 +946,27 @@ def test_a_forked_process_dropping_its_copy_of_a_held_batch_gives_nothing_back(
     finally:
         theirs.close()
         receiver.close()
+
+
+class SmallThenLarge(torch.utils.data.Dataset):
+    """Items 0-5 are 1-element tensors, the rest 256 KiB: batches that fit in the message,
+    then batches that need /dev/shm."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((1 if i < 6 else 32 * 1024,), i, dtype=torch.int64)
+
+
+def test_batches_that_grow_past_inline_size_arrive_exact() -> None:
+    """Issue #26: while every batch fit in its message, workers collate out of /dev/shm (the
+    default collate alone); the first batch too large for it is shared at send, and the ones
+    after go through the pool. Every batch is the reference's, in order."""
+    ds = SmallThenLarge()
+    want = [ds[i].unsqueeze(0) for i in range(len(ds))]
+    got = list(DataLoader(ds, batch_size=1, num_workers=2))
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"batch {i} differs"
+    del got

@@ -49,3 +49,46 @@ def test_a_message_over_4_gib_is_framed_with_its_full_length() -> None:
     _transport._send_frame(sock, FakePayload(), 2**32 + 3, [])  # type: ignore[arg-type]
     # The receiver reads the header back with the same layout: every length intact.
     assert _transport._HEADER.unpack_from(sock.header) == (2**32 + 17, 0, 2**32 + 3)
+
+
+def test_small_tensors_arrive_exact_with_their_views_still_sharing_memory() -> None:
+    """Small tensors travel as bytes + dtype + shape (issue #26, per-batch overhead): every
+    kind arrives with the sender's values, dtype, shape and strides, and tensors that shared
+    a storage in the batch still share one -- whether they took that path or torch's."""
+    import socket
+
+    from resumable_loader._transport import Receiver, send
+
+    base = torch.arange(12, dtype=torch.int16).view(3, 4)
+    sent = {
+        "base": base,
+        "flat": base.view(-1),  # the whole storage too: same bytes, memo'd once
+        "row": base[1],  # an offset view: torch's path, over the same storage
+        "t": base.t(),  # not contiguous: torch's path
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "bool": torch.tensor([True, False]),
+        "half": torch.randn(2, 3).half(),
+        "empty": torch.zeros(0, 5),
+        "grad": torch.ones(3, requires_grad=True),
+        "param": torch.nn.Parameter(torch.ones(2)),
+    }
+    ours, theirs = socket.socketpair()
+    recv = Receiver(ours)
+    try:
+        send(theirs, sent)
+        (got,) = recv.feed()
+    finally:
+        theirs.close()
+        recv.close()
+    for key, want in sent.items():
+        have = got[key]
+        assert type(have) is type(want), key
+        assert have.dtype == want.dtype and have.shape == want.shape, key
+        assert have.stride() == want.stride(), key
+        assert have.requires_grad == want.requires_grad, key
+        assert torch.equal(have.detach(), want.detach()), key
+    storage = got["base"].untyped_storage().data_ptr()
+    for key in ("flat", "row", "t"):
+        assert got[key].untyped_storage().data_ptr() == storage, f"{key} no longer shares base"
+    got["base"][1, 0] = 99
+    assert got["flat"][4] == 99 and got["row"][0] == 99 and got["t"][0, 1] == 99
