@@ -335,6 +335,29 @@ class FailingCollate:
         return default_collate(batch)
 
 
+class CursorSampler(torch.utils.data.Sampler[int]):
+    """``range(n)`` in order, with its position as its state (it rewinds at the epoch's end):
+    the smallest stateful sampler, which the loader saves through its own ``state_dict()``."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos = n, 0
+
+    def __iter__(self) -> Any:
+        while self.pos < self.n:
+            self.pos += 1
+            yield self.pos - 1
+        self.pos = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def state_dict(self) -> dict[str, int]:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.pos = sd["pos"]
+
+
 class Tagged(torch.utils.data.Dataset):
     """Item ``i`` is the string ``"name/i"``: a source of a ``Mixture`` whose items say where
     they came from."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _datasets import CursorSampler
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
@@ -290,28 +291,10 @@ def test_continue_past_the_end_of_the_new_data_is_refused_clearly() -> None:
 def test_an_outstanding_batch_past_the_end_of_the_new_data_is_refused() -> None:
     # A sampler with its own state: batches it drew and the caller did not consume are
     # re-sent by index, which must exist in the new data.
-    class Cursor(torch.utils.data.Sampler[int]):
-        def __init__(self, n: int) -> None:
-            self.n, self.pos = n, 0
-
-        def __iter__(self) -> Any:
-            while self.pos < self.n:
-                self.pos += 1
-                yield self.pos - 1
-
-        def __len__(self) -> int:
-            return self.n
-
-        def state_dict(self) -> dict[str, int]:
-            return {"pos": self.pos}
-
-        def load_state_dict(self, sd: dict[str, int]) -> None:
-            self.pos = sd["pos"]
-
-    sd = saved_after(DataLoader(Corpus(), batch_size=B, sampler=Cursor(N)), k=2)
+    sd = saved_after(DataLoader(Corpus(), batch_size=B, sampler=CursorSampler(N)), k=2)
     sd["drawn"] += 1
     sd["outstanding"] = [[sd["drawn"] - 1, [24, 25, 26, 27]]]  # drawn, not yet delivered
-    loader = DataLoader(Corpus(25), batch_size=B, sampler=Cursor(25))
+    loader = DataLoader(Corpus(25), batch_size=B, sampler=CursorSampler(25))
     refused(
         loader,
         sd,

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _datasets import (
+    CursorSampler,
     EveryOtherReversedSampler,
     RandomAugDataset,
     RangeDataset,
@@ -22,7 +23,6 @@ from _datasets import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
@@ -202,31 +202,11 @@ def test_a_version_3_state_is_upgraded() -> None:
     assert [s for item in again for s in _samples(item)] == rest
 
 
-class _StatefulSampler(Sampler[int]):
-    def __init__(self, n: int) -> None:
-        self.n, self.pos = n, 0
-
-    def __iter__(self) -> Any:
-        while self.pos < self.n:
-            self.pos += 1
-            yield self.pos - 1
-        self.pos = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.pos = sd["pos"]
-
-
 @pytest.mark.parametrize(
     ("make", "match"),
     [
         (lambda b: {"sampler": EveryOtherReversedSampler(16), "batch_size": b}, "re-cut"),
-        (lambda b: {"sampler": _StatefulSampler(16), "batch_size": b}, "its own state_dict"),
+        (lambda b: {"sampler": CursorSampler(16), "batch_size": b}, "its own state_dict"),
     ],
     ids=["fast-forwarded-sampler", "stateful-sampler"],
 )
