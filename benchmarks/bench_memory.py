@@ -35,6 +35,7 @@ is full -- against the shared-memory path:
 the /dev/shm figures (the PSS figures are this run's own).
 
 Run: python3 benchmarks/bench_memory.py [--quick] [--rounds N] [--workloads image,small]
+[--workers N]
 Exits non-zero only if a loader delivered the wrong number of batches.
 """
 
@@ -385,11 +386,14 @@ def fallback_cost(rounds: int, quick: bool) -> dict[str, Any]:
 
 
 def main() -> int:
+    global WORKERS
     p = C.base_parser(__doc__.splitlines()[0], start_method=False)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workloads", default="image,small")
     p.add_argument("--no-fallback", action="store_true", help="skip the fallback-cost part")
+    p.add_argument("--workers", type=int, default=WORKERS, help="num_workers (default 2)")
     args = C.parse(p)
+    WORKERS = args.workers
     print(C.env_line("fork"))
     api = C.loader_api()
     print(

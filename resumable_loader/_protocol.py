@@ -58,11 +58,16 @@ class Epoch(NamedTuple):
 
 
 class TaskMsg(NamedTuple):
-    """Fetch task ``tid``: ``payload`` is its sample indices (map) or fetch number (stream)."""
+    """Fetch task ``tid``: ``payload`` is its sample indices (map) or fetch number (stream).
+
+    ``grant``: the loader's pooled segment the batch may be collated into (its id; -1: none
+    this time; None: the loader has no pool, the worker keeps its own). See
+    ``_transport.LoaderPool``."""
 
     gen: int
     tid: int
     payload: Any
+    grant: int | None = None
 
 
 class Stop(NamedTuple):

@@ -49,8 +49,8 @@ import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
-from ._protocol import Booted, InitError, Ready, Result, Started, Stop, ToWorker
-from ._transport import Receiver
+from ._protocol import Booted, InitError, Ready, Result, Started, Stop, TaskMsg, ToWorker
+from ._transport import LoaderPool, Receiver
 from ._worker import WorkerError, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
@@ -82,6 +82,10 @@ PAUSE_SLACK_S = 0.25
 # in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
 # raise instead of looping. Deaths between results are left to the per-task poison limit.
 STORM_MIN_RESPAWNS = 20
+
+# The loader's segment pool (issue #26; ``_transport.LoaderPool``): on unless a benchmark
+# compares without it (then each worker keeps a pool of its own).
+LOADER_POOL = True
 
 # fds that the main process holds for all live supervisors; fork children close them.
 _registry_lock = threading.Lock()
@@ -390,6 +394,10 @@ class Supervisor:
         self._starts = self._deaths = self._killed = 0
         self._warned_seeding = False
         self.closed = False
+        # The segments lent to the workers (made at the first start, when the prefetch
+        # window is known); None without memfd, under file_system, or with LOADER_POOL off.
+        self.pool: LoaderPool | None = None
+        self._pool_gen: dict[int, int] = {}  # worker id -> latest generation it sent
 
     # ---- fd bookkeeping ------------------------------------------------------------------
     def _watch(self, fd: int, kind: str, slot: WorkerSlot | None) -> None:
@@ -421,6 +429,13 @@ class Supervisor:
         main_fds = (task_w.fileno(), result_r.fileno())
         _register_fds(*main_fds)
         spec: WorkerSpec = self.make_spec(slot.wid)
+        if self.pool is None and LOADER_POOL and hasattr(os, "memfd_create"):
+            import torch.multiprocessing
+
+            if torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+                # The window's tasks and the batch the caller holds, whichever workers.
+                cap = len(self.slots) * spec.prefetch_factor + 1
+                self.pool = LoaderPool(cap, _register_fds, _unregister_fds)
         with self.fork_lock:
             if self._is_fork:
                 with _registry_lock:
@@ -459,7 +474,7 @@ class Supervisor:
         slot.proc = proc
         slot.pid = proc.pid or -1
         slot.task_conn = task_w
-        slot.result_conn = Receiver(result_r)
+        slot.result_conn = Receiver(result_r, self.pool)
         slot.state = STARTING
         slot.booted = False
         slot.running = None
@@ -534,6 +549,10 @@ class Supervisor:
                 proc.kill()
                 proc.join(KILL_JOIN_S)
             exitcode = proc.exitcode
+        if self.pool is not None:
+            # Reaped (or stuck in the kernel after SIGKILL: it runs no more code either).
+            self.pool.drop_worker(slot.wid)
+            self._pool_gen.pop(slot.wid, None)
         self._release(slot)
         if proc is not None:
             try:
@@ -547,11 +566,27 @@ class Supervisor:
     # ---- I/O -----------------------------------------------------------------------------
     def send(self, slot: WorkerSlot, msg: ToWorker) -> bool:
         """Send to a live slot; False if its pipe is broken (death is handled by poll())."""
+        if self.pool is not None and type(msg) is TaskMsg:
+            msg = msg._replace(grant=self._grant(slot, msg))
         try:
             slot.task_conn.send(msg)
             return True
         except (BrokenPipeError, ConnectionResetError, OSError, AttributeError):
             return False
+
+    def _grant(self, slot: WorkerSlot, msg: TaskMsg) -> int:
+        """The pooled segment task ``msg`` may be collated into (its id), or -1."""
+        pool, conn = self.pool, slot.result_conn
+        if pool is None or conn is None:
+            return -1
+        key = (slot.wid, msg.gen, msg.tid)
+        seg = pool.grant(key)
+        if seg is None:
+            return -1
+        if not pool.send_fd(slot.wid, conn.sock, seg):
+            pool.end(key)
+            return -1
+        return seg.id
 
     def poll(self, timeout_s: float | None) -> list[Event]:
         """Wait up to ``timeout_s`` for results and deaths; return them as events.
@@ -654,9 +689,15 @@ class Supervisor:
             # Progress. While the user was busy between batches the worker's results waited
             # in the socket (or it waited to write them): that time is not a hang.
             slot.busy_since = time.monotonic()
+        pool = self.pool
         for msg in msgs:
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
+                if pool is not None:
+                    pool.end((slot.wid, msg.gen, msg.tid))
+                    if msg.gen > self._pool_gen.get(slot.wid, msg.gen):
+                        pool.end_before(slot.wid, msg.gen)  # it dropped its older tasks
+                    self._pool_gen[slot.wid] = msg.gen
                 events.append(Arrived(slot, msg))
             elif isinstance(msg, Started):
                 slot.running = msg.tid
@@ -793,6 +834,8 @@ class Supervisor:
             slot.state = STOPPED
         for slot in self.slots:
             slot.state = STOPPED
+        if self.pool is not None:
+            self.pool.close()  # (held batches keep their segments mapped until dropped)
         _ChildSignal.remove(self._wake_w)
         _Continued.remove()
         for fd in (self._wake_r, self._wake_w):

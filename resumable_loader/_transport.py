@@ -273,6 +273,17 @@ class ShmPolicy:
                 return False
         return True
 
+    def take_grant(self, grant: int | None, sock: socket.socket) -> None:
+        """Worker side, before a task: the loader's segment its batch may use (``TaskMsg``'s
+        grant; None: the loader has no pool, this worker keeps its own)."""
+        if grant is None:
+            if self.pool is not None:
+                self.pool.grant = -1
+            return
+        pool = self._get_pool()
+        if pool is not None:
+            pool.take_grant(grant, sock)
+
     def _get_pool(self) -> SegmentPool | None:
         global _worker_pool
         if self.pool is None and self._pool_segments:
@@ -322,14 +333,21 @@ class _Segment:
 
     __slots__ = ("announced", "base", "flag", "id", "size", "storage", "view")
 
-    def __init__(self, sid: int, size: int) -> None:
+    def __init__(self, sid: int, size: int, fd: int = -1) -> None:
         self.id = sid
-        self.storage = torch.UntypedStorage._new_shared(size + PACK_ALIGN)
         self.size = size  # bytes for batches, before the flag
-        self.view = _byte_view(self.storage)
+        self.storage: torch.UntypedStorage | None = None
+        if fd < 0:  # the worker's own
+            self.storage = torch.UntypedStorage._new_shared(size + PACK_ALIGN)
+            self.view = _byte_view(self.storage)
+        else:  # granted by the main process (``LoaderPool``): mapped here once, no fd kept
+            mapping = _Mapping(fd, size)
+            buf = (ctypes.c_uint8 * (size + PACK_ALIGN)).from_address(mapping.addr)
+            buf._mapping = mapping  # type: ignore[attr-defined]  # unmapped with its last slice
+            self.view = _byte_view(torch.frombuffer(buf, dtype=torch.uint8).untyped_storage())
         self.flag = self.view[size : size + 1]  # 1: the main process holds a batch in it
-        self.base = self.storage.data_ptr()
-        self.announced = False  # the main process has mapped it
+        self.base = self.view.ctypes.data
+        self.announced = fd >= 0  # the main process has mapped it
 
     @property
     def lent(self) -> bool:
@@ -359,6 +377,11 @@ class SegmentPool:
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
+        # The segments are the loader's (``LoaderPool``), lent task by task: this pool then
+        # makes none of its own, and ``grant`` is the one the current task may use (-1: none).
+        self.granted = False
+        self.grant = -1
+        self.reported = 0  # the demand last reported to the main process
         self.segments: dict[int, _Segment] = {}
         self.next_id = 0
         self.retired: list[int] = []  # ids the main process must forget (sent with a message)
@@ -372,10 +395,16 @@ class SegmentPool:
         return [s for s in self.segments.values() if not s.lent]
 
     def reserve_free(self) -> bool:
-        """Before a batch: take a free segment that fits the last batch; False if none."""
+        """Before a batch: take a free segment that fits the last batch; False if none.
+        (A granted segment is taken whatever its flag: ``collating`` looks again, when the
+        collate begins -- by then the caller has normally dropped the batch it held there.)"""
         self.target = None
         want = self.demand
-        if want:
+        if self.granted:
+            seg = self.segments.get(self.grant)
+            if seg is not None and seg.size >= want:
+                self.target = seg
+        elif want:
             fits = [s for s in self._free() if s.size >= want]
             if fits:
                 self.target = min(fits, key=lambda s: s.size)
@@ -385,7 +414,7 @@ class SegmentPool:
         """No free segment fits: make one if the pool has room (retiring a free one that is
         too small). Raises what torch's allocator raises when /dev/shm is full."""
         want = self.demand
-        if not want:
+        if not want or self.granted:
             return
         if len(self.segments) >= self.cap:
             free = self._free()
@@ -398,6 +427,37 @@ class SegmentPool:
         self.next_id += 1
         self.segments[seg.id] = seg
         self.target = seg
+
+    def take_grant(self, sid: int, sock: socket.socket) -> None:
+        """Worker side: the current task may use the loader's segment ``sid`` (-1: none).
+        A segment new to this process has its fd waiting in ``sock`` (``LoaderPool.send_fd``,
+        sent before the task): read the frames until it is here, mapping each."""
+        self.granted = True
+        self.grant = sid
+        while sid >= 0 and sid not in self.segments:
+            fds = array.array("i")
+            frame, anc, _flags, _addr = sock.recvmsg(_GRANT.size, _GRANT_ANC, socket.MSG_WAITALL)
+            for level, kind, blob in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(blob[: len(blob) - len(blob) % fds.itemsize])
+            if len(frame) < _GRANT.size:
+                for fd in fds:
+                    os.close(fd)
+                raise EOFError("the main process closed the result socket")
+            new, size, retired = _GRANT.unpack(frame)
+            if retired >= 0:
+                # Unmapped once no batch this worker built in it is alive.
+                self.segments.pop(retired, None)
+            for fd in fds:
+                try:
+                    if new >= 0:
+                        self.segments[new] = _Segment(new, size, fd)
+                except OSError:
+                    if new == sid:  # cannot be mapped here: this batch takes a fresh one
+                        self.grant = sid = -1
+                finally:
+                    os.close(fd)
+                new = -1
 
     def alloc(self, nbytes: int) -> torch.UntypedStorage:
         """The collate's ``_new_shared``: a slice of the reserved segment when it fits."""
@@ -456,6 +516,9 @@ def collating() -> Iterator[None]:
         yield
         return
     pool.offset = pool.asked = 0
+    if pool.target is not None and pool.target.lent:
+        # (A granted segment whose batch the caller still holds: a fresh one, as today.)
+        pool.target = None
     if "_new_shared" not in torch.UntypedStorage.__dict__:
         # Installed once and kept: setting a class attribute per batch invalidated Python's
         # method caches for every storage type (a few microseconds a batch). Outside a
@@ -485,7 +548,7 @@ class _Mapping:
     forked later inherits the mapping, as it inherits a held batch's: MADV_DONTFORK would make
     a dataset that refers to a delivered batch crash in the child.)"""
 
-    __slots__ = ("addr", "flag", "size")
+    __slots__ = ("addr", "flag", "leases", "size")
 
     def __init__(self, fd: int, size: int) -> None:
         import mmap
@@ -499,6 +562,7 @@ class _Mapping:
         self.addr: int = addr
         self.size = size
         self.flag = ctypes.c_uint8.from_address(addr + size)
+        self.leases = 0  # batches this process holds in it (``_Lease``)
 
     def __del__(self, _munmap: Any = _libc.munmap) -> None:  # (bound now: safe at exit)
         _munmap(self.addr, self.size + PACK_ALIGN)
@@ -518,10 +582,202 @@ class _Lease:
     def __init__(self, seg: _Mapping) -> None:
         self.seg = seg
         self.pid = os.getpid()
+        seg.leases += 1
 
     def __del__(self) -> None:
         if os.getpid() == self.pid:
-            self.seg.flag.value = 0
+            seg = self.seg
+            seg.leases -= 1
+            if not seg.leases:
+                seg.flag.value = 0
+
+
+# The main process's word to a worker about its segments (``LoaderPool.send_fd``): the id and
+# size of a segment whose fd rides along (-1: none), and the id of one retired (-1: none).
+_GRANT = struct.Struct("<qQq")
+_GRANT_ANC = socket.CMSG_SPACE(array.array("i").itemsize)
+_POOL_NAME = "resumable_loader-pool"
+
+
+class _PoolSegment:
+    """Main side: one of the loader's segments (see ``LoaderPool``)."""
+
+    __slots__ = ("fd", "grant", "id", "mapping", "since", "size")
+
+    def __init__(self, sid: int, fd: int, size: int) -> None:
+        self.id = sid
+        self.fd = fd  # kept: sent to each worker (process) the first time it is granted
+        self.size = size
+        self.mapping = _Mapping(fd, size)
+        self.grant: tuple[int, int, int] | None = None  # (worker id, gen, task id)
+        self.since = 0  # when its batch was received (the oldest held is granted first)
+
+    @property
+    def held(self) -> bool:
+        """The caller holds a batch in it (the flag its worker set before sending)."""
+        return bool(self.mapping.flag.value)
+
+
+class LoaderPool:
+    """Main side: shared-memory segments owned by the loader and lent to its workers, task by
+    task (issue #26), so that the segments alive at once are the prefetch window's and the
+    batch the caller holds -- whichever workers built them.
+
+    Each task's message carries a grant (``grant``): a segment the worker may collate the
+    batch into if its flag is clear (see ``SegmentPool``: the worker sets the flag before it
+    sends, the caller's last drop of the batch clears it; the flag stays the one-owner rule).
+    Grants are picked from the free segments that fit, else a new one is made below ``cap``,
+    else the held segment whose batch came first (the batch the caller is about to drop: the
+    window is refilled inside ``next()``, while the caller still holds the last one). A grant
+    ends with the worker's result for that task (``end``), with a result of a later epoch
+    generation from that worker (its queued tasks were dropped), or with the worker's
+    confirmed death (``drop_worker``): a segment it was writing is then given out again and
+    rewritten whole; no message of it completed, so nothing of it was delivered.
+
+    The fds are kept here (``send_fd`` passes each to a worker process once, over its result
+    socket, before the task that first grants it), and registered so that forked workers
+    close them. ``close`` closes them; a segment whose batch is still held stays mapped
+    through its lease until the caller drops it.
+    Invariant: a segment is granted to at most one task; ``grants`` maps each granted task
+    to its segment's id.
+    """
+
+    def __init__(self, cap: int, register: Any = None, unregister: Any = None) -> None:
+        self.cap = cap
+        self.segments: dict[int, _PoolSegment] = {}
+        self.grants: dict[tuple[int, int, int], int] = {}
+        self.known: dict[int, set[int]] = {}  # worker id -> segment ids its process has
+        self.retire_news: dict[int, list[int]] = {}  # worker id -> ids it must forget
+        self.demand = 0  # shared bytes of the last batch a worker reported
+        self.next_id = 0
+        self.clock = 0
+        self.closed = False
+        self._register = register
+        self._unregister = unregister
+
+    def _make(self, want: int) -> _PoolSegment | None:
+        size = _round_up(want + want // 32, POOL_ROUND)
+        try:
+            fd = os.memfd_create(_POOL_NAME, os.MFD_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            # Reserved now (as _shm does for a worker's segment): a lack of memory is an
+            # error here, never a SIGBUS while a batch is written.
+            os.posix_fallocate(fd, 0, size + PACK_ALIGN)
+            seg = _PoolSegment(self.next_id, fd, size)
+        except OSError:
+            os.close(fd)
+            return None  # no room: the batch takes a fresh segment, as without a pool
+        if self._register is not None:
+            self._register(fd)
+        self.next_id += 1
+        self.segments[seg.id] = seg
+        return seg
+
+    def _retire(self, seg: _PoolSegment) -> None:
+        del self.segments[seg.id]
+        if self._unregister is not None:
+            self._unregister(seg.fd)
+        os.close(seg.fd)
+        for wid, ids in self.known.items():
+            if seg.id in ids:
+                ids.discard(seg.id)
+                self.retire_news.setdefault(wid, []).append(seg.id)
+
+    def grant(self, key: tuple[int, int, int]) -> _PoolSegment | None:
+        """A segment for task ``key`` (worker id, gen, task id), or None (a fresh one)."""
+        sid = self.grants.get(key)
+        if sid is not None:  # the same task sent again to the same worker
+            return self.segments[sid]
+        want = self.demand
+        if not want or self.closed:
+            return None
+        idle = [s for s in self.segments.values() if s.grant is None]
+        free = [s for s in idle if not s.held]
+        fits = [s for s in free if s.size >= want]
+        seg: _PoolSegment | None = None
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+        else:
+            if len(self.segments) >= self.cap and free:
+                self._retire(min(free, key=lambda s: s.size))  # too small for today's batches
+            if len(self.segments) < self.cap:
+                seg = self._make(want)
+            if seg is None:
+                held = [s for s in idle if s.held and s.size >= want]
+                if held:
+                    seg = min(held, key=lambda s: s.since)
+        if seg is not None:
+            seg.grant = key
+            self.grants[key] = seg.id
+        return seg
+
+    def send_fd(self, wid: int, sock: socket.socket, seg: _PoolSegment) -> bool:
+        """Make sure worker ``wid``'s process has ``seg`` (its fd, once); False if it could
+        not be sent (the grant is then withdrawn by the caller)."""
+        ids = self.known.setdefault(wid, set())
+        if seg.id in ids:
+            return True
+        news = self.retire_news.pop(wid, [])
+        frames = [_GRANT.pack(-1, 0, old) for old in news[:-1]]
+        frames.append(_GRANT.pack(seg.id, seg.size, news[-1] if news else -1))
+        head = b"".join(frames[:-1])
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))]
+        try:
+            # A few dozen bytes into a buffer the worker never fills (it writes the other
+            # way): these do not block.
+            if head:
+                sock.sendall(head)
+            sent = sock.sendmsg([frames[-1]], anc)
+            if sent < _GRANT.size:
+                sock.sendall(frames[-1][sent:])
+        except OSError:
+            return False
+        ids.add(seg.id)
+        return True
+
+    def end(self, key: tuple[int, int, int]) -> None:
+        """Task ``key``'s result arrived: its grant ends (its segment holds the batch, if
+        the worker used it: the lease of the rebuilt storages has it now)."""
+        sid = self.grants.pop(key, None)
+        seg = self.segments.get(sid) if sid is not None else None
+        if seg is not None:
+            seg.grant = None
+
+    def end_before(self, wid: int, gen: int) -> None:
+        """Worker ``wid`` sent a result of generation ``gen``: it dropped its older tasks."""
+        for key in [k for k in self.grants if k[0] == wid and k[1] < gen]:
+            self.end(key)
+
+    def drop_worker(self, wid: int) -> None:
+        """Worker ``wid``'s process is confirmed dead: what it was granted is free again,
+        whatever it wrote (no message of it completed: its flag is cleared), and its
+        replacement gets the fds anew."""
+        for key in [k for k in self.grants if k[0] == wid]:
+            sid = self.grants.pop(key)
+            seg = self.segments.get(sid)
+            if seg is not None:
+                seg.grant = None
+                if not seg.mapping.leases:
+                    # Set by the dead worker for a message that never completed.
+                    seg.mapping.flag.value = 0
+        self.known.pop(wid, None)
+        self.retire_news.pop(wid, None)
+
+    def close(self) -> None:
+        """Close every fd; mappings go with their last lease (or now, if none is held)."""
+        self.closed = True
+        segs, self.segments = list(self.segments.values()), {}
+        self.grants.clear()
+        self.known.clear()
+        for seg in segs:
+            if self._unregister is not None:
+                self._unregister(seg.fd)
+            try:
+                os.close(seg.fd)
+            except OSError:
+                pass
 
 
 def _rebuild_pooled(off: int, nbytes: int) -> torch.UntypedStorage:
@@ -738,14 +994,22 @@ def _pool_info(out: _Outbox) -> Any:
     nothing): ``(the segment id this message lends or -1, (fd index, size) of that segment if
     it is new to the main process, ids retired)``."""
     pool, seg = out.pool, out.pool_seg
+    if pool is not None and pool.granted:
+        # ``(id or -1, None, [], demand, True)``: the main process has every granted segment
+        # mapped; it learns here how large batches are, to size the segments it makes.
+        if seg is None and pool.demand == pool.reported:
+            return None
+        pool.reported = pool.demand
+        return (seg.id if seg is not None else -1, None, [], pool.demand, True)
     if pool is None or (seg is None and not pool.retired):
         return None
     new = None
     if seg is not None and not seg.announced:
+        assert seg.storage is not None  # (the worker's own: granted ones are announced)
         out.fds.append(seg.storage._share_fd_cpu_()[0])  # (owned by the segment's storage)
         new = (len(out.fds) - 1, seg.size)
     out.pool_sent = (new is not None, len(pool.retired))
-    return (seg.id if seg is not None else -1, new, list(pool.retired))
+    return (seg.id if seg is not None else -1, new, list(pool.retired), 0, False)
 
 
 def _unpack(table: Any) -> list[torch.UntypedStorage]:
@@ -910,8 +1174,9 @@ class Receiver:
     they are closed if the channel closes first.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, pool: LoaderPool | None = None) -> None:
         sock.setblocking(False)
+        self.pool = pool  # the loader's segments, lent to the sender task by task
         self.sock = sock
         self.fd = sock.fileno()  # kept after close(): the supervisor unregisters by number
         self._buf = bytearray()  # bytes read but not yet part of a message body
@@ -932,7 +1197,19 @@ class Receiver:
     def _pool_update(self, info: Any) -> None:
         """A message's news of the sender's pool (see ``_pool_info``); the lease of the
         segment it lends goes to ``_tls.lease`` for its storages."""
-        sid, new, retired = info
+        sid, new, retired, demand, granted = info
+        if granted:
+            pool = self.pool
+            if pool is None:
+                raise RuntimeError("a batch in a granted segment, and the receiver has no pool")
+            if demand:
+                pool.demand = demand
+            if sid >= 0:
+                seg = pool.segments[sid]
+                pool.clock += 1
+                seg.since = pool.clock
+                _tls.lease = _Lease(seg.mapping)
+            return
         for old in retired:
             self._pool_segs.pop(old, None)  # unmapped once no batch in it is held
         if new is not None:

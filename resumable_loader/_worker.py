@@ -787,6 +787,7 @@ class _WorkerLoop:
         # caller holds (see _transport.SegmentPool).
         self.shm = _transport.ShmPolicy(spec.prefetch_factor + 1)
         self.shm_ok = True  # the batch being built may use /dev/shm (ShmPolicy.allow)
+        self.grants: dict[int, int] = {}  # task id -> the loader's segment lent for it
         self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
         self.poller = select.poll()
         self.poller.register(task_conn.fileno(), select.POLLIN)
@@ -821,10 +822,13 @@ class _WorkerLoop:
             msg = conn.recv()
             if isinstance(msg, TaskMsg):
                 if msg.gen == self.gen:
+                    if msg.grant is not None:  # the loader's segment for it (LoaderPool)
+                        self.grants[msg.tid] = msg.grant
                     heapq.heappush(self.pending, (msg.tid, self.arrivals, msg.payload))
                     self.arrivals += 1
             elif isinstance(msg, Epoch):
                 self.pending.clear()
+                self.grants.clear()
                 self.gen, self.epoch, self.base = msg.gen, msg.epoch, msg.base_seed
                 if isinstance(self.fetcher, MapFetcher):
                     self.fetcher.sample_seed = msg.sample_seed
@@ -864,6 +868,7 @@ class _WorkerLoop:
         else:
             self.seed = derive_seed(TASK, self.base, tid)
         seed_global_rngs(self.seed)
+        shm.take_grant(self.grants.pop(tid, None), self.result_conn)
         self.shm_ok = shm.allow()
         # A batch that will be packed into one segment is collated out of /dev/shm: its
         # storages are copied into the segment anyway (see _transport._place).

@@ -426,6 +426,7 @@ def test_each_process_maps_a_bounded_number_of_segments_all_epoch(
         assert most_main <= WINDOW, f"the main process had {most_main} segments mapped"
     else:
         # (a pool, and the fresh segment of a batch that finds every pooled one lent)
+        print("DBG", most_worker, len(ever))
         assert most_worker <= PREFETCH + 2, f"a worker had {most_worker} segments mapped"
         assert len(ever) <= pool_bound(), f"{len(ever)} segments created in one epoch"
 
