@@ -64,6 +64,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -102,6 +103,10 @@ SHM_BACKOFF_MAX = 64
 # Pooled segments are sized in these steps, with 1/32 of headroom, so that batches that vary
 # a little in size (variable-length fields) still fit the segments already made.
 POOL_ROUND = 64 * 1024
+# A worker granted a segment that still holds the caller's previous batch waits this long at
+# most for it to be given back (see ``SegmentPool.wait_given_back``), looking every step.
+POOL_WAIT_S = 0.005
+POOL_WAIT_STEP_S = 0.0001
 
 _tls = threading.local()
 # The main process warns once about a full /dev/shm: one line that says what to change is
@@ -333,25 +338,70 @@ class _Segment:
 
     __slots__ = ("announced", "base", "flag", "id", "size", "storage", "view")
 
-    def __init__(self, sid: int, size: int, fd: int = -1) -> None:
+    def __init__(self, sid: int, size: int) -> None:
         self.id = sid
         self.size = size  # bytes for batches, before the flag
-        self.storage: torch.UntypedStorage | None = None
-        if fd < 0:  # the worker's own
-            self.storage = torch.UntypedStorage._new_shared(size + PACK_ALIGN)
-            self.view = _byte_view(self.storage)
-        else:  # granted by the main process (``LoaderPool``): mapped here once, no fd kept
-            mapping = _Mapping(fd, size)
-            buf = (ctypes.c_uint8 * (size + PACK_ALIGN)).from_address(mapping.addr)
-            buf._mapping = mapping  # type: ignore[attr-defined]  # unmapped with its last slice
-            self.view = _byte_view(torch.frombuffer(buf, dtype=torch.uint8).untyped_storage())
+        self.storage: torch.UntypedStorage | None = torch.UntypedStorage._new_shared(
+            size + PACK_ALIGN
+        )
+        self.view = _byte_view(self.storage)
         self.flag = self.view[size : size + 1]  # 1: the main process holds a batch in it
-        self.base = self.view.ctypes.data
-        self.announced = fd >= 0  # the main process has mapped it
+        self.base = self.storage.data_ptr()
+        self.announced = False  # the main process has mapped it
 
     @property
     def lent(self) -> bool:
         return bool(self.flag[0])
+
+    def map(self, want: int) -> None:
+        """(Made mapped: see ``_GrantedSegment``.)"""
+
+    def close(self) -> None:
+        """(Its storage owns its fd.)"""
+
+
+class _GrantedSegment(_Segment):
+    """Worker side: one of the loader's segments (``LoaderPool``), lent to this worker task by
+    task. The main process makes it empty; the first worker to collate into it gives it its
+    size (the batch's, with the pool's headroom) and reserves its pages; every process maps it
+    once, and keeps no fd once it is mapped."""
+
+    __slots__ = ("fd", "hint")
+
+    def __init__(self, sid: int, fd: int, hint: int) -> None:  # (owns ``fd``)
+        self.id = sid
+        self.fd = fd
+        self.hint = hint  # the batch size the main process last heard of (0: unknown)
+        self.size = 0  # 0: not mapped here yet
+        self.storage = None
+        self.base = 0
+        self.announced = True  # the main process has it
+
+    @property
+    def lent(self) -> bool:
+        return bool(self.size and self.flag[0])
+
+    def map(self, want: int) -> None:
+        """Map it here, sizing it for ``want`` bytes first if no worker has yet. Raises
+        OSError if it cannot be (no room: the batch then takes a fresh segment)."""
+        size = os.fstat(self.fd).st_size - PACK_ALIGN
+        if size <= 0:
+            size = _round_up(max(want, self.hint) * 33 // 32, POOL_ROUND)
+            # Reserved now (as _shm does): a lack of memory fails here, never as a SIGBUS.
+            os.posix_fallocate(self.fd, 0, size + PACK_ALIGN)
+        mapping = _Mapping(self.fd, size)
+        buf = (ctypes.c_uint8 * (size + PACK_ALIGN)).from_address(mapping.addr)
+        buf._mapping = mapping  # type: ignore[attr-defined]  # unmapped with its last slice
+        self.view = _byte_view(torch.frombuffer(buf, dtype=torch.uint8).untyped_storage())
+        self.flag = self.view[size : size + 1]
+        self.base = mapping.addr
+        self.size = size
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SegmentPool:
@@ -382,7 +432,8 @@ class SegmentPool:
         self.granted = False
         self.grant = -1
         self.reported = 0  # the demand last reported to the main process
-        self.segments: dict[int, _Segment] = {}
+        self.patience = POOL_WAIT_S  # see ``wait_given_back``
+        self.segments: dict[int, Any] = {}  # id -> _Segment (or _GrantedSegment)
         self.next_id = 0
         self.retired: list[int] = []  # ids the main process must forget (sent with a message)
         self.target: _Segment | None = None  # the segment the batch being built goes into
@@ -402,7 +453,7 @@ class SegmentPool:
         want = self.demand
         if self.granted:
             seg = self.segments.get(self.grant)
-            if seg is not None and seg.size >= want:
+            if seg is not None and (not seg.size or seg.size >= want):
                 self.target = seg
         elif want:
             fits = [s for s in self._free() if s.size >= want]
@@ -428,6 +479,26 @@ class SegmentPool:
         self.segments[seg.id] = seg
         self.target = seg
 
+    def wait_given_back(self) -> bool:
+        """The granted segment still holds the batch the caller had when the task was sent
+        (the oldest held: the loader refills its window inside ``next()``, before the caller
+        drops the batch it holds). It is normally given back a moment later: wait for that,
+        at most ``patience`` -- halved after each wait in vain, so a caller that keeps its
+        batches costs a worker little, and back to ``POOL_WAIT_S`` after a wait that paid.
+        Whether it was given back."""
+        seg = self.target
+        assert seg is not None
+        if not self.granted or self.patience <= 0.0:
+            return False
+        deadline = time.monotonic() + self.patience
+        while seg.lent:
+            if time.monotonic() >= deadline:
+                self.patience = self.patience / 2 if self.patience > POOL_WAIT_S / 64 else 0.0
+                return False
+            time.sleep(POOL_WAIT_STEP_S)
+        self.patience = POOL_WAIT_S
+        return True
+
     def take_grant(self, sid: int, sock: socket.socket) -> None:
         """Worker side: the current task may use the loader's segment ``sid`` (-1: none).
         A segment new to this process has its fd waiting in ``sock`` (``LoaderPool.send_fd``,
@@ -444,20 +515,18 @@ class SegmentPool:
                 for fd in fds:
                     os.close(fd)
                 raise EOFError("the main process closed the result socket")
-            new, size, retired = _GRANT.unpack(frame)
+            new, hint, retired = _GRANT.unpack(frame)
             if retired >= 0:
                 # Unmapped once no batch this worker built in it is alive.
-                self.segments.pop(retired, None)
+                old = self.segments.pop(retired, None)
+                if old is not None:
+                    old.close()
             for fd in fds:
-                try:
-                    if new >= 0:
-                        self.segments[new] = _Segment(new, size, fd)
-                except OSError:
-                    if new == sid:  # cannot be mapped here: this batch takes a fresh one
-                        self.grant = sid = -1
-                finally:
+                if new >= 0:
+                    self.segments[new] = _GrantedSegment(new, fd, hint)
+                    new = -1
+                else:
                     os.close(fd)
-                new = -1
 
     def alloc(self, nbytes: int) -> torch.UntypedStorage:
         """The collate's ``_new_shared``: a slice of the reserved segment when it fits."""
@@ -466,6 +535,13 @@ class SegmentPool:
         aligned = _round_up(nbytes, PACK_ALIGN)
         self.asked += aligned
         seg = self.target
+        if seg is not None and not seg.size:
+            try:
+                seg.map(max(self.demand, nbytes))  # the first batch in a new granted segment
+            except OSError:
+                seg = self.target = None  # no room for it: a fresh segment, as without one
+            if seg is not None and seg.lent:
+                seg = self.target = None
         if seg is not None and self.offset + nbytes <= seg.size:
             off = self.offset
             self.offset += aligned
@@ -516,9 +592,11 @@ def collating() -> Iterator[None]:
         yield
         return
     pool.offset = pool.asked = 0
-    if pool.target is not None and pool.target.lent:
-        # (A granted segment whose batch the caller still holds: a fresh one, as today.)
-        pool.target = None
+    if pool.target is not None:
+        if not pool.target.lent:
+            pool.patience = POOL_WAIT_S  # the caller gives batches back
+        elif not pool.wait_given_back():
+            pool.target = None  # the caller keeps that batch: a fresh segment, as without one
     if "_new_shared" not in torch.UntypedStorage.__dict__:
         # Installed once and kept: setting a class attribute per batch invalidated Python's
         # method caches for every storage type (a few microseconds a batch). Outside a
@@ -604,18 +682,30 @@ class _PoolSegment:
 
     __slots__ = ("fd", "grant", "id", "mapping", "since", "size")
 
-    def __init__(self, sid: int, fd: int, size: int) -> None:
+    def __init__(self, sid: int, fd: int) -> None:
         self.id = sid
         self.fd = fd  # kept: sent to each worker (process) the first time it is granted
-        self.size = size
-        self.mapping = _Mapping(fd, size)
+        self.size = 0  # 0: not sized yet (the first worker to use it sizes it)
+        self.mapping: _Mapping | None = None
         self.grant: tuple[int, int, int] | None = None  # (worker id, gen, task id)
         self.since = 0  # when its batch was received (the oldest held is granted first)
+
+    def mapped(self) -> bool:
+        """Map it here once a worker has sized it; whether it is mapped."""
+        if self.mapping is None:
+            try:
+                size = os.fstat(self.fd).st_size - PACK_ALIGN
+                if size > 0:
+                    self.mapping = _Mapping(self.fd, size)
+                    self.size = size
+            except OSError:
+                pass
+        return self.mapping is not None
 
     @property
     def held(self) -> bool:
         """The caller holds a batch in it (the flag its worker set before sending)."""
-        return bool(self.mapping.flag.value)
+        return self.mapped() and bool(self.mapping.flag.value)  # type: ignore[union-attr]
 
 
 class LoaderPool:
@@ -655,20 +745,14 @@ class LoaderPool:
         self._register = register
         self._unregister = unregister
 
-    def _make(self, want: int) -> _PoolSegment | None:
-        size = _round_up(want + want // 32, POOL_ROUND)
+    def _make(self) -> _PoolSegment | None:
+        # Empty: the first worker to collate into it sizes it for its batch (a grant goes out
+        # before any batch size is known: the first window's tasks).
         try:
             fd = os.memfd_create(_POOL_NAME, os.MFD_CLOEXEC)
         except OSError:
-            return None
-        try:
-            # Reserved now (as _shm does for a worker's segment): a lack of memory is an
-            # error here, never a SIGBUS while a batch is written.
-            os.posix_fallocate(fd, 0, size + PACK_ALIGN)
-            seg = _PoolSegment(self.next_id, fd, size)
-        except OSError:
-            os.close(fd)
-            return None  # no room: the batch takes a fresh segment, as without a pool
+            return None  # (out of fds: the batch takes a fresh segment, as without a pool)
+        seg = _PoolSegment(self.next_id, fd)
         if self._register is not None:
             self._register(fd)
         self.next_id += 1
@@ -691,19 +775,19 @@ class LoaderPool:
         if sid is not None:  # the same task sent again to the same worker
             return self.segments[sid]
         want = self.demand
-        if not want or self.closed:
+        if self.closed:
             return None
         idle = [s for s in self.segments.values() if s.grant is None]
         free = [s for s in idle if not s.held]
-        fits = [s for s in free if s.size >= want]
+        fits = [s for s in free if not s.size or s.size >= want]
         seg: _PoolSegment | None = None
         if fits:
-            seg = min(fits, key=lambda s: s.size)
+            seg = min(fits, key=lambda s: (not s.size, s.size))  # sized ones first
         else:
             if len(self.segments) >= self.cap and free:
                 self._retire(min(free, key=lambda s: s.size))  # too small for today's batches
             if len(self.segments) < self.cap:
-                seg = self._make(want)
+                seg = self._make()
             if seg is None:
                 held = [s for s in idle if s.held and s.size >= want]
                 if held:
@@ -721,7 +805,7 @@ class LoaderPool:
             return True
         news = self.retire_news.pop(wid, [])
         frames = [_GRANT.pack(-1, 0, old) for old in news[:-1]]
-        frames.append(_GRANT.pack(seg.id, seg.size, news[-1] if news else -1))
+        frames.append(_GRANT.pack(seg.id, self.demand, news[-1] if news else -1))
         head = b"".join(frames[:-1])
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [seg.fd]))]
         try:
@@ -759,9 +843,9 @@ class LoaderPool:
             seg = self.segments.get(sid)
             if seg is not None:
                 seg.grant = None
-                if not seg.mapping.leases:
+                if seg.mapped() and not seg.mapping.leases:  # type: ignore[union-attr]
                     # Set by the dead worker for a message that never completed.
-                    seg.mapping.flag.value = 0
+                    seg.mapping.flag.value = 0  # type: ignore[union-attr]
         self.known.pop(wid, None)
         self.retire_news.pop(wid, None)
 
@@ -1206,6 +1290,9 @@ class Receiver:
                 pool.demand = demand
             if sid >= 0:
                 seg = pool.segments[sid]
+                if not seg.mapped():
+                    raise RuntimeError(f"pooled segment {sid} came unsized")
+                assert seg.mapping is not None
                 pool.clock += 1
                 seg.since = pool.clock
                 _tls.lease = _Lease(seg.mapping)
