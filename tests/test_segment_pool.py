@@ -155,9 +155,7 @@ class KillInGrantedSegment:
     def __call__(self, items: list[torch.Tensor]) -> torch.Tensor:
         batch = default_collate(items)
         pool = _transport._worker_pool
-        granted = (
-            pool is not None and pool.granted and pool.where(batch.untyped_storage()) >= 0
-        )
+        granted = pool is not None and pool.granted and pool.where(batch.untyped_storage()) >= 0
         if granted and int(batch[0, 1]) >= self.after * BATCH and not os.path.exists(self.marker):
             open(self.marker, "w").close()
             batch[: len(batch) // 2] = -1.0
