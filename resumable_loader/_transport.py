@@ -36,6 +36,14 @@ each holding a ``_Lease`` whose end hands the segment back (a flag byte at its e
 never writes into a segment whose flag is set, so a batch the caller holds is never
 overwritten; a batch that finds none free takes a fresh segment, as before.
 
+The loader's pool (issue #26, ``LoaderPool``): a pool per worker holds ``workers x (prefetch
++ 1)`` segments, one more per worker than the window and the batch the caller holds need. So
+under a loader the segments are the main process's instead, at most ``window + 1``, lent task
+by task: each task carries a grant, each segment's fd goes to a worker process once (over its
+result socket, the other way), and the worker's ``SegmentPool`` collates into the granted
+segment under the same flag rule. Without a grant (the transport used alone) a worker keeps
+its own pool as above.
+
 Memory: a batch has one owner at a time. Nothing on the send path may form a reference cycle
 with the batch: the pickler's memo holds every object it pickled until the pickler dies, so a
 pickler kept alive by a cycle would keep the batch -- and its /dev/shm segment -- until Python's
@@ -104,8 +112,11 @@ SHM_BACKOFF_MAX = 64
 # a little in size (variable-length fields) still fit the segments already made.
 POOL_ROUND = 64 * 1024
 # A worker granted a segment that still holds the caller's previous batch waits this long at
-# most for it to be given back (see ``SegmentPool.wait_given_back``), looking every step.
-POOL_WAIT_S = 0.005
+# most for it to be given back (see ``SegmentPool.wait_given_back``), looking every step. The
+# caller gives it back when ``next()`` returns, so the wait is normally short; it runs long
+# only while the main process waits for a CPU (a loaded machine), when a worker has nothing
+# better to do with one either.
+POOL_WAIT_S = 0.02
 POOL_WAIT_STEP_S = 0.0001
 
 _tls = threading.local()
@@ -360,6 +371,24 @@ class _Segment:
         """(Its storage owns its fd.)"""
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    """Give a new granted segment its size, its pages reserved. (A function of its own:
+    ``testing.ShmFailure`` makes it fail as a full /dev/shm makes torch's allocations fail.)
+
+    Raises:
+        RuntimeError: no room, in the words of torch's allocator (and of ``_shm``), so that
+            the batch is redone out of shared memory as when any other allocation fails.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        code = exc.errno if exc.errno is not None else errno.ENOMEM
+        raise RuntimeError(
+            f"unable to allocate shared memory(shm) for file <memfd:{_POOL_NAME}>: "
+            f"{os.strerror(code)} ({code})"
+        ) from None
+
+
 class _GrantedSegment(_Segment):
     """Worker side: one of the loader's segments (``LoaderPool``), lent to this worker task by
     task. The main process makes it empty; the first worker to collate into it gives it its
@@ -379,16 +408,24 @@ class _GrantedSegment(_Segment):
 
     @property
     def lent(self) -> bool:
+        if not self.size:
+            try:
+                self.map(0)  # another worker may have sized it and sent a batch in it
+            except OSError:
+                return False  # (``alloc`` tries again, and takes a fresh segment)
         return bool(self.size and self.flag[0])
 
     def map(self, want: int) -> None:
-        """Map it here, sizing it for ``want`` bytes first if no worker has yet. Raises
-        OSError if it cannot be (no room: the batch then takes a fresh segment)."""
+        """Map it here, sizing it for ``want`` bytes first if no worker has yet (``want``
+        0: only if one has). Raises ``_reserve``'s RuntimeError if there is no room for it,
+        OSError if it cannot be mapped."""
         size = os.fstat(self.fd).st_size - PACK_ALIGN
         if size <= 0:
+            if not want:
+                return
             size = _round_up(max(want, self.hint) * 33 // 32, POOL_ROUND)
             # Reserved now (as _shm does): a lack of memory fails here, never as a SIGBUS.
-            os.posix_fallocate(self.fd, 0, size + PACK_ALIGN)
+            _reserve(self.fd, size + PACK_ALIGN)
         mapping = _Mapping(self.fd, size)
         buf = (ctypes.c_uint8 * (size + PACK_ALIGN)).from_address(mapping.addr)
         buf._mapping = mapping  # type: ignore[attr-defined]  # unmapped with its last slice
@@ -484,8 +521,8 @@ class SegmentPool:
         (the oldest held: the loader refills its window inside ``next()``, before the caller
         drops the batch it holds). It is normally given back a moment later: wait for that,
         at most ``patience`` -- halved after each wait in vain, so a caller that keeps its
-        batches costs a worker little, and back to ``POOL_WAIT_S`` after a wait that paid.
-        Whether it was given back."""
+        batches costs a worker little; back to ``POOL_WAIT_S`` after a wait that paid, and
+        a little of it back with each granted segment found free. Whether it was given back."""
         seg = self.target
         assert seg is not None
         if not self.granted or self.patience <= 0.0:
@@ -539,7 +576,7 @@ class SegmentPool:
             try:
                 seg.map(max(self.demand, nbytes))  # the first batch in a new granted segment
             except OSError:
-                seg = self.target = None  # no room for it: a fresh segment, as without one
+                seg = self.target = None  # not mapped: a fresh segment, as without one
             if seg is not None and seg.lent:
                 seg = self.target = None
         if seg is not None and self.offset + nbytes <= seg.size:
@@ -594,7 +631,7 @@ def collating() -> Iterator[None]:
     pool.offset = pool.asked = 0
     if pool.target is not None:
         if not pool.target.lent:
-            pool.patience = POOL_WAIT_S  # the caller gives batches back
+            pool.patience = min(POOL_WAIT_S, pool.patience + POOL_WAIT_S / 32)
         elif not pool.wait_given_back():
             pool.target = None  # the caller keeps that batch: a fresh segment, as without one
     if "_new_shared" not in torch.UntypedStorage.__dict__:
@@ -680,7 +717,7 @@ _POOL_NAME = "resumable_loader-pool"
 class _PoolSegment:
     """Main side: one of the loader's segments (see ``LoaderPool``)."""
 
-    __slots__ = ("fd", "grant", "id", "mapping", "since", "size")
+    __slots__ = ("fd", "filled", "grant", "id", "mapping", "since", "size")
 
     def __init__(self, sid: int, fd: int) -> None:
         self.id = sid
@@ -688,7 +725,10 @@ class _PoolSegment:
         self.size = 0  # 0: not sized yet (the first worker to use it sizes it)
         self.mapping: _Mapping | None = None
         self.grant: tuple[int, int, int] | None = None  # (worker id, gen, task id)
-        self.since = 0  # when its batch was received (the oldest held is granted first)
+        # (gen, task id) of the batch in it: batches are delivered in task order, so the held
+        # segment with the lowest is the batch the caller got first -- the one it drops next.
+        self.since = (0, 0)
+        self.filled = False  # a batch of its current grant was received in it
 
     def mapped(self) -> bool:
         """Map it here once a worker has sized it; whether it is mapped."""
@@ -740,7 +780,7 @@ class LoaderPool:
         self.retire_news: dict[int, list[int]] = {}  # worker id -> ids it must forget
         self.demand = 0  # shared bytes of the last batch a worker reported
         self.next_id = 0
-        self.clock = 0
+        self.ended = 0  # results received
         self.closed = False
         self._register = register
         self._unregister = unregister
@@ -775,7 +815,9 @@ class LoaderPool:
         if sid is not None:  # the same task sent again to the same worker
             return self.segments[sid]
         want = self.demand
-        if self.closed:
+        if self.closed or (not want and self.ended > self.cap):
+            # (A window of results and none needed shared memory: small batches, copied
+            # through the socket. No grant then: a few microseconds less per task.)
             return None
         idle = [s for s in self.segments.values() if s.grant is None]
         free = [s for s in idle if not s.held]
@@ -825,9 +867,13 @@ class LoaderPool:
         """Task ``key``'s result arrived: its grant ends (its segment holds the batch, if
         the worker used it: the lease of the rebuilt storages has it now)."""
         sid = self.grants.pop(key, None)
+        self.ended += 1
         seg = self.segments.get(sid) if sid is not None else None
         if seg is not None:
             seg.grant = None
+            if seg.filled:
+                seg.filled = False
+                seg.since = key[1:]
 
     def end_before(self, wid: int, gen: int) -> None:
         """Worker ``wid`` sent a result of generation ``gen``: it dropped its older tasks."""
@@ -843,6 +889,7 @@ class LoaderPool:
             seg = self.segments.get(sid)
             if seg is not None:
                 seg.grant = None
+                seg.filled = False
                 if seg.mapped() and not seg.mapping.leases:  # type: ignore[union-attr]
                     # Set by the dead worker for a message that never completed.
                     seg.mapping.flag.value = 0  # type: ignore[union-attr]
@@ -1293,8 +1340,7 @@ class Receiver:
                 if not seg.mapped():
                     raise RuntimeError(f"pooled segment {sid} came unsized")
                 assert seg.mapping is not None
-                pool.clock += 1
-                seg.since = pool.clock
+                seg.filled = True
                 _tls.lease = _Lease(seg.mapping)
             return
         for old in retired:

@@ -506,6 +506,17 @@ class ShmFailure:
                     return _original(size)
 
                 setattr(storage_cls, name, classmethod(new))
+            # The loader's pooled segments are sized in the worker without torch's allocator.
+            from . import _transport
+
+            reserve = _transport._reserve
+
+            def sized(fd: int, nbytes: int, _original: Any = reserve) -> None:
+                if fail(nbytes):
+                    raise error(seen[0])
+                _original(fd, nbytes)
+
+            _transport._reserve = sized
         if self.where in ("share", "both"):
             for name in ("_share_fd_cpu_", "_share_filename_cpu_"):
                 original = getattr(storage_cls, name)
