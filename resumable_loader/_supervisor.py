@@ -15,6 +15,10 @@ open). A timeout alone never declares a worker dead: only ``task_timeout`` does,
 worker is killed first, so "dead" is always a fact. ``task_timeout`` counts the job's running
 time: a pause of this process (a wait that overran, a SIGCONT) is taken off every hang clock,
 so a job stopped as a whole and continued loses no worker (``_discount_pauses``).
+The shared segments batches travel in are the supervisor's (``_transport.LoaderPool``): each
+TASK sent carries a grant, each segment's fd goes to a worker process once, over its result
+socket, before the first task that grants it; a grant ends with the task's result, a result of
+a later generation, or the worker's death (``mark_dead``).
 Nothing in /dev/shm is ever deleted here: a dead worker's leftovers cannot be told from
 another job's segments or from a batch passed on (docs/recovery.md).
 

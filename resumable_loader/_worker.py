@@ -783,8 +783,9 @@ class _WorkerLoop:
         from torch.utils.data import default_collate, default_convert
 
         self.custom_collate = spec.collate_fn not in (default_collate, default_convert)
-        # Pooled segments: the worker's share of the prefetch window, and the batch the
-        # caller holds (see _transport.SegmentPool).
+        # Pooled segments: the loader's, lent task by task (TaskMsg.grant); a worker whose
+        # loader has no pool keeps its share of the window and the caller's batch itself
+        # (see _transport.SegmentPool).
         self.shm = _transport.ShmPolicy(spec.prefetch_factor + 1)
         self.shm_ok = True  # the batch being built may use /dev/shm (ShmPolicy.allow)
         self.grants: dict[int, int] = {}  # task id -> the loader's segment lent for it
