@@ -570,7 +570,7 @@ class Supervisor:
     # ---- I/O -----------------------------------------------------------------------------
     def send(self, slot: WorkerSlot, msg: ToWorker) -> bool:
         """Send to a live slot; False if its pipe is broken (death is handled by poll())."""
-        if self.pool is not None and type(msg) is TaskMsg:
+        if self.pool is not None and type(msg) is TaskMsg and self.pool.wanted():
             msg = msg._replace(grant=self._grant(slot, msg))
         try:
             slot.task_conn.send(msg)
@@ -698,9 +698,11 @@ class Supervisor:
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
                 if pool is not None:
-                    pool.end((slot.wid, msg.gen, msg.tid))
-                    if msg.gen > self._pool_gen.get(slot.wid, msg.gen):
-                        pool.end_before(slot.wid, msg.gen)  # it dropped its older tasks
+                    pool.ended += 1
+                    if pool.grants:
+                        pool.end((slot.wid, msg.gen, msg.tid))
+                        if msg.gen > self._pool_gen.get(slot.wid, msg.gen):
+                            pool.end_before(slot.wid, msg.gen)  # it dropped its older tasks
                     self._pool_gen[slot.wid] = msg.gen
                 events.append(Arrived(slot, msg))
             elif isinstance(msg, Started):

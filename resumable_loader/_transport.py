@@ -780,7 +780,7 @@ class LoaderPool:
         self.retire_news: dict[int, list[int]] = {}  # worker id -> ids it must forget
         self.demand = 0  # shared bytes of the last batch a worker reported
         self.next_id = 0
-        self.ended = 0  # results received
+        self.ended = 0  # results received (counted by the supervisor)
         self.closed = False
         self._register = register
         self._unregister = unregister
@@ -809,15 +809,19 @@ class LoaderPool:
                 ids.discard(seg.id)
                 self.retire_news.setdefault(wid, []).append(seg.id)
 
+    def wanted(self) -> bool:
+        """Whether tasks get grants: not once a window of results came and none needed
+        shared memory (small batches, copied through the socket: a few microseconds less
+        per task, and the task message as it was)."""
+        return not self.closed and (self.demand > 0 or self.ended <= self.cap)
+
     def grant(self, key: tuple[int, int, int]) -> _PoolSegment | None:
         """A segment for task ``key`` (worker id, gen, task id), or None (a fresh one)."""
         sid = self.grants.get(key)
         if sid is not None:  # the same task sent again to the same worker
             return self.segments[sid]
         want = self.demand
-        if self.closed or (not want and self.ended > self.cap):
-            # (A window of results and none needed shared memory: small batches, copied
-            # through the socket. No grant then: a few microseconds less per task.)
+        if not self.wanted():
             return None
         idle = [s for s in self.segments.values() if s.grant is None]
         free = [s for s in idle if not s.held]
@@ -867,7 +871,6 @@ class LoaderPool:
         """Task ``key``'s result arrived: its grant ends (its segment holds the batch, if
         the worker used it: the lease of the rebuilt storages has it now)."""
         sid = self.grants.pop(key, None)
-        self.ended += 1
         seg = self.segments.get(sid) if sid is not None else None
         if seg is not None:
             seg.grant = None
