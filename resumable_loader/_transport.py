@@ -1027,6 +1027,14 @@ def _rebuild_small_tensor(data: bytearray, dtype: torch.dtype, shape: tuple[int,
     return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
+def _rebuild_conj(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.conj()
+
+
+def _rebuild_neg(tensor: torch.Tensor) -> torch.Tensor:
+    return torch._neg_view(tensor)
+
+
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
     """A small plain CPU tensor that is its whole storage travels as its bytes, its dtype and
     its shape: a third of the cost of torch's reduction, which rebuilds a typed storage and
@@ -1034,6 +1042,12 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     cost of a small batch. Anything else goes through torch's ``reduce_tensor`` unchanged.
     Its bytes are the storage's (``_small_bytes``): a view of the same storage elsewhere in the
     message still shares them once rebuilt."""
+    # torch's reduction drops the lazy conjugate and negative bits: a ``z.conj()`` would arrive
+    # as ``z``. Send the view without the bit (same storage) and set it again on arrival.
+    if tensor.is_conj():
+        return (_rebuild_conj, (tensor.conj(),))
+    if tensor.is_neg():
+        return (_rebuild_neg, (torch._neg_view(tensor),))
     out = _tls.out
     if (
         type(tensor) is torch.Tensor
@@ -1042,8 +1056,6 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
         and tensor.device.type == "cpu"
         and tensor.storage_offset() == 0
         and tensor.is_contiguous()
-        and not tensor.is_conj()
-        and not tensor.is_neg()
         and not tensor.is_quantized
     ):
         storage = tensor.untyped_storage()

@@ -12,7 +12,6 @@ import math
 import pickle
 import random
 import struct
-import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -286,14 +285,11 @@ def test_a_huge_declared_length_is_refused_without_allocating() -> None:
     gc.collect()
     tracemalloc.start()
     try:
-        start = time.perf_counter()
         with pytest.raises(CheckpointError, match="truncated"):
             load_state(data)
-        elapsed = time.perf_counter() - start
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 0.5
     assert peak < 1 << 20
 
 

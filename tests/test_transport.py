@@ -92,3 +92,39 @@ def test_small_tensors_arrive_exact_with_their_views_still_sharing_memory() -> N
         assert got[key].untyped_storage().data_ptr() == storage, f"{key} no longer shares base"
     got["base"][1, 0] = 99
     assert got["flat"][4] == 99 and got["row"][0] == 99 and got["t"][0, 1] == 99
+
+
+def test_conjugate_and_negative_views_arrive_with_their_values() -> None:
+    """torch's tensor reduction drops the lazy conjugate and negative bits, so ``z.conj()``
+    arrived as ``z`` (torch's own loader does the same). Ours sets the bit again on arrival:
+    the values are the sender's, small (bytes path) or large (shared memory), and the view
+    still shares its base's storage."""
+    import socket
+
+    from resumable_loader._transport import Receiver, send
+
+    small = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
+    large = torch.full((40_000,), 2 - 5j, dtype=torch.complex128)
+    sent = {
+        "small": small,
+        "small_conj": small.conj(),
+        "large_conj": large.conj(),
+        "neg": small.conj().imag,  # a real view with the negative bit set
+        "large_neg": large.conj().imag,
+    }
+    assert sent["small_conj"].is_conj() and sent["neg"].is_neg()
+    ours, theirs = socket.socketpair()
+    recv = Receiver(ours)
+    try:
+        send(theirs, sent)
+        (got,) = recv.feed()
+    finally:
+        theirs.close()
+        recv.close()
+    for key, want in sent.items():
+        have = got[key]
+        assert have.dtype == want.dtype and have.shape == want.shape, key
+        plain = have.resolve_conj().resolve_neg()
+        assert torch.equal(plain, want.resolve_conj().resolve_neg()), key
+    got["small"][0] = 7 + 7j
+    assert got["small_conj"][0] == 7 - 7j, "the conjugate view no longer shares its base"
