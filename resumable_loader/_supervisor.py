@@ -49,7 +49,8 @@ import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
-from ._protocol import Booted, InitError, Ready, Result, Started, Stop, ToWorker
+from ._protocol import Booted, InitError, Ready, Result, Started, Stop, TaskMsg, ToWorker
+from ._taskpipe import send_task
 from ._transport import Receiver
 from ._worker import WorkerError, WorkerSpec, worker_main
 
@@ -548,7 +549,10 @@ class Supervisor:
     def send(self, slot: WorkerSlot, msg: ToWorker) -> bool:
         """Send to a live slot; False if its pipe is broken (death is handled by poll())."""
         try:
-            slot.task_conn.send(msg)
+            if type(msg) is TaskMsg:
+                send_task(slot.task_conn.fileno(), msg)  # the per-batch one: see _taskpipe
+            else:
+                slot.task_conn.send(msg)
             return True
         except (BrokenPipeError, ConnectionResetError, OSError, AttributeError):
             return False

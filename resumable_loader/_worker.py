@@ -56,6 +56,7 @@ from ._seeding import (
     seed_global_rngs,
 )
 from ._shm import use_anonymous_shared_memory
+from ._taskpipe import TaskReader
 
 # The messages and statuses are in _protocol; these names stay importable from here.
 OK, ERROR, END = Status.OK, Status.ERROR, Status.END
@@ -790,6 +791,7 @@ class _WorkerLoop:
         self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
         self.poller = select.poll()
         self.poller.register(task_conn.fileno(), select.POLLIN)
+        self.tasks = TaskReader(task_conn.fileno())
         self.arrivals = 0
 
     def _reseed(self) -> None:
@@ -810,15 +812,18 @@ class _WorkerLoop:
     def _receive(self) -> bool:
         """Take everything waiting in the pipe (so the lowest task id runs first), blocking
         while there is nothing to do; False when the worker must exit."""
-        conn, ready = self.task_conn, self.poller.poll
-        # (select.poll on the pipe, made once: Connection.poll builds a selector per call,
-        # twice per batch. Any event -- data, or the hang-up that ends the loop -- is a recv.)
-        while not self.pending or ready(0):
-            if not self.pending and not ready(PARENT_CHECK_INTERVAL_MS):
+        tasks, ready = self.tasks, self.poller.poll
+        # (select.poll on the pipe, made once: Connection.poll builds a selector per call.
+        # Any event -- data, or the hang-up that ends the loop -- is a recv.) One read takes
+        # every message waiting; one that came back short emptied the pipe, so it is not
+        # asked again before this task runs.
+        tasks.drained = False
+        while not self.pending or tasks.pending() or (not tasks.drained and ready(0)):
+            if not self.pending and not tasks.pending() and not ready(PARENT_CHECK_INTERVAL_MS):
                 if os.getppid() != self.parent:
                     return False  # orphaned: our main process is gone
                 continue
-            msg = conn.recv()
+            msg = tasks.recv()
             if isinstance(msg, TaskMsg):
                 if msg.gen == self.gen:
                     heapq.heappush(self.pending, (msg.tid, self.arrivals, msg.payload))
