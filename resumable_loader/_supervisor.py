@@ -49,7 +49,17 @@ import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
-from ._protocol import Booted, InitError, Ready, Result, Started, Stop, TaskMsg, ToWorker
+from ._protocol import (
+    Booted,
+    InitError,
+    Ready,
+    Result,
+    Started,
+    Stop,
+    TaskMsg,
+    ToWorker,
+    result_from_wire,
+)
 from ._taskpipe import send_task
 from ._transport import Receiver
 from ._worker import WorkerError, WorkerSpec, worker_main
@@ -649,7 +659,9 @@ class Supervisor:
         assert conn is not None
         before = conn.received
         try:
-            msgs = conn.feed()
+            # A live worker's socket is read until a short read (poll() wakes again for
+            # anything left); a dead one's to its end, its last words included.
+            msgs = conn.feed(drain=slot in dead)
         except Exception as exc:
             # A message that cannot be unpickled: the result is lost, the worker replaced.
             dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
@@ -659,6 +671,11 @@ class Supervisor:
             # in the socket (or it waited to write them): that time is not a hang.
             slot.busy_since = time.monotonic()
         for msg in msgs:
+            if type(msg) is tuple:  # a Result as workers send it (result_to_wire)
+                try:
+                    msg = result_from_wire(msg)
+                except (IndexError, TypeError):
+                    pass  # not one of ours: said below
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
                 events.append(Arrived(slot, msg))

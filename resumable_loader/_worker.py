@@ -44,6 +44,7 @@ from ._protocol import (
     Status,
     StreamResume,
     TaskMsg,
+    result_to_wire,
 )
 from ._schema import has_state, same_state
 from ._seeding import (
@@ -930,7 +931,7 @@ class _WorkerLoop:
         sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
         a reference or form a cycle with it (see _transport)."""
         try:
-            _transport.send(self.result_conn, msg, self.shm, self.shm_ok)
+            _transport.send(self.result_conn, result_to_wire(msg), self.shm, self.shm_ok)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             return False
         except Exception:
