@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 import torch
+from torch.utils.data._utils import worker as torch_worker
 
 from . import _transport
 from ._errors import RemoteTraceback
@@ -55,6 +56,7 @@ from ._seeding import (
     derive_seed,
     restore_rngs,
     seed_global_rngs,
+    seeds_of,
 )
 from ._shm import use_anonymous_shared_memory
 from ._taskpipe import TaskReader
@@ -216,8 +218,6 @@ def _collate(collate: Any, data: Any, shared: bool) -> Any:
             return collate(data)
         with _transport.collating():  # into the worker's pooled segment
             return collate(data)
-    from torch.utils.data._utils import worker as torch_worker
-
     info = torch_worker._worker_info
     torch_worker._worker_info = None
     try:
@@ -777,6 +777,7 @@ class _WorkerLoop:
             self.run_task = make_retrier(spec.retry, self._reseed)
         self.spec_dataset = spec.dataset
         self.base = spec.base_seed
+        self._seeds = self._seeds_for(self.base)
         self.epoch = 0
         self.gen = -1  # epoch generation: results carry it so stale ones can be told apart
         self.seed = 0  # the task being fetched: what a map-style retry re-seeds with
@@ -794,6 +795,13 @@ class _WorkerLoop:
         self.poller.register(task_conn.fileno(), select.POLLIN)
         self.tasks = TaskReader(task_conn.fileno())
         self.arrivals = 0
+
+    def _seeds_for(self, base: int) -> Any:
+        """``k -> `` the seed of task ``k`` (map) or of fetch ``k`` of this worker's shard
+        (stream) under epoch seed ``base``: ``derive_seed`` with its fixed part hashed once."""
+        if self.spec.iterable:
+            return seeds_of(STREAM, base, self.wid)
+        return seeds_of(TASK, base)
 
     def _reseed(self) -> None:
         seed_global_rngs(self.seed)
@@ -832,6 +840,7 @@ class _WorkerLoop:
             elif isinstance(msg, Epoch):
                 self.pending.clear()
                 self.gen, self.epoch, self.base = msg.gen, msg.epoch, msg.base_seed
+                self._seeds = self._seeds_for(self.base)
                 if isinstance(self.fetcher, MapFetcher):
                     self.fetcher.sample_seed = msg.sample_seed
                     # A persistent worker's copy of a data plan learns the epoch here.
@@ -865,10 +874,7 @@ class _WorkerLoop:
     def _result(self, tid: int, payload: Any) -> Result:
         """Fetch one task under its seed: its ``Result`` (OK, END or ERROR)."""
         spec, fetcher, shm = self.spec, self.fetcher, self.shm
-        if spec.iterable:
-            self.seed = derive_seed(STREAM, self.base, self.wid, payload)
-        else:
-            self.seed = derive_seed(TASK, self.base, tid)
+        self.seed = self._seeds(payload if spec.iterable else tid)
         seed_global_rngs(self.seed)
         self.shm_ok = shm.allow()
         # A batch that will be packed into one segment is collated out of /dev/shm: its
