@@ -53,7 +53,18 @@ import warnings
 from typing import Any, NamedTuple
 
 from ._errors import WorkerCrashError
-from ._protocol import Booted, InitError, Ready, Result, Started, Stop, TaskMsg, ToWorker
+from ._protocol import (
+    Booted,
+    InitError,
+    Ready,
+    Result,
+    Started,
+    Stop,
+    TaskMsg,
+    ToWorker,
+    result_from_wire,
+)
+from ._taskpipe import send_task
 from ._transport import LoaderPool, Receiver
 from ._worker import WorkerError, WorkerSpec, worker_main
 
@@ -573,7 +584,10 @@ class Supervisor:
         if self.pool is not None and type(msg) is TaskMsg and self.pool.wanted():
             msg = msg._replace(grant=self._grant(slot, msg))
         try:
-            slot.task_conn.send(msg)
+            if type(msg) is TaskMsg:
+                send_task(slot.task_conn.fileno(), msg)  # the per-batch one: see _taskpipe
+            else:
+                slot.task_conn.send(msg)
             return True
         except (BrokenPipeError, ConnectionResetError, OSError, AttributeError):
             return False
@@ -684,7 +698,9 @@ class Supervisor:
         assert conn is not None
         before = conn.received
         try:
-            msgs = conn.feed()
+            # A live worker's socket is read until a short read (poll() wakes again for
+            # anything left); a dead one's to its end, its last words included.
+            msgs = conn.feed(drain=slot in dead)
         except Exception as exc:
             # A message that cannot be unpickled: the result is lost, the worker replaced.
             dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
@@ -693,17 +709,16 @@ class Supervisor:
             # Progress. While the user was busy between batches the worker's results waited
             # in the socket (or it waited to write them): that time is not a hang.
             slot.busy_since = time.monotonic()
-        pool = self.pool
         for msg in msgs:
+            if type(msg) is tuple:  # a Result as workers send it (result_to_wire)
+                try:
+                    msg = result_from_wire(msg)
+                except (IndexError, TypeError):
+                    pass  # not one of ours: said below
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
-                if pool is not None:
-                    pool.ended += 1
-                    if pool.grants:
-                        pool.end((slot.wid, msg.gen, msg.tid))
-                        if msg.gen > self._pool_gen.get(slot.wid, msg.gen):
-                            pool.end_before(slot.wid, msg.gen)  # it dropped its older tasks
-                    self._pool_gen[slot.wid] = msg.gen
+                if self.pool is not None:
+                    self._end_grant(slot, msg)
                 events.append(Arrived(slot, msg))
             elif isinstance(msg, Started):
                 slot.running = msg.tid
@@ -727,6 +742,17 @@ class Supervisor:
         if conn.eof:
             # The writer is gone: a death, described by its exit status once reaped.
             dead.setdefault(slot, ("", False))
+
+    def _end_grant(self, slot: WorkerSlot, msg: Result) -> None:
+        """The pooled segment lent for ``msg``'s task is the caller's batch now (or free)."""
+        pool = self.pool
+        assert pool is not None
+        pool.ended += 1
+        if pool.grants:
+            pool.end((slot.wid, msg.gen, msg.tid))
+            if msg.gen > self._pool_gen.get(slot.wid, msg.gen):
+                pool.end_before(slot.wid, msg.gen)  # it dropped its older tasks
+        self._pool_gen[slot.wid] = msg.gen
 
     def _discount_pauses(self, now: float, asked: float | None) -> None:
         """Take the time this process did not run since it last looked off every hang clock.

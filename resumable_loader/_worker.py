@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 import torch
+from torch.utils.data._utils import worker as torch_worker
 
 from . import _transport
 from ._errors import RemoteTraceback
@@ -44,6 +45,7 @@ from ._protocol import (
     Status,
     StreamResume,
     TaskMsg,
+    result_to_wire,
 )
 from ._schema import has_state, same_state
 from ._seeding import (
@@ -54,8 +56,10 @@ from ._seeding import (
     derive_seed,
     restore_rngs,
     seed_global_rngs,
+    seeds_of,
 )
 from ._shm import use_anonymous_shared_memory
+from ._taskpipe import TaskReader
 
 # The messages and statuses are in _protocol; these names stay importable from here.
 OK, ERROR, END = Status.OK, Status.ERROR, Status.END
@@ -214,8 +218,6 @@ def _collate(collate: Any, data: Any, shared: bool) -> Any:
             return collate(data)
         with _transport.collating():  # into the worker's pooled segment
             return collate(data)
-    from torch.utils.data._utils import worker as torch_worker
-
     info = torch_worker._worker_info
     torch_worker._worker_info = None
     try:
@@ -775,6 +777,7 @@ class _WorkerLoop:
             self.run_task = make_retrier(spec.retry, self._reseed)
         self.spec_dataset = spec.dataset
         self.base = spec.base_seed
+        self._seeds = self._seeds_for(self.base)
         self.epoch = 0
         self.gen = -1  # epoch generation: results carry it so stale ones can be told apart
         self.seed = 0  # the task being fetched: what a map-style retry re-seeds with
@@ -792,7 +795,15 @@ class _WorkerLoop:
         self.pending: list[tuple[int, int, Any]] = []  # heap of (tid, arrival number, payload)
         self.poller = select.poll()
         self.poller.register(task_conn.fileno(), select.POLLIN)
+        self.tasks = TaskReader(task_conn.fileno())
         self.arrivals = 0
+
+    def _seeds_for(self, base: int) -> Any:
+        """``k -> `` the seed of task ``k`` (map) or of fetch ``k`` of this worker's shard
+        (stream) under epoch seed ``base``: ``derive_seed`` with its fixed part hashed once."""
+        if self.spec.iterable:
+            return seeds_of(STREAM, base, self.wid)
+        return seeds_of(TASK, base)
 
     def _reseed(self) -> None:
         seed_global_rngs(self.seed)
@@ -812,15 +823,18 @@ class _WorkerLoop:
     def _receive(self) -> bool:
         """Take everything waiting in the pipe (so the lowest task id runs first), blocking
         while there is nothing to do; False when the worker must exit."""
-        conn, ready = self.task_conn, self.poller.poll
-        # (select.poll on the pipe, made once: Connection.poll builds a selector per call,
-        # twice per batch. Any event -- data, or the hang-up that ends the loop -- is a recv.)
-        while not self.pending or ready(0):
-            if not self.pending and not ready(PARENT_CHECK_INTERVAL_MS):
+        tasks, ready = self.tasks, self.poller.poll
+        # (select.poll on the pipe, made once: Connection.poll builds a selector per call.
+        # Any event -- data, or the hang-up that ends the loop -- is a recv.) One read takes
+        # every message waiting; one that came back short emptied the pipe, so it is not
+        # asked again before this task runs.
+        tasks.drained = False
+        while not self.pending or tasks.pending() or (not tasks.drained and ready(0)):
+            if not self.pending and not tasks.pending() and not ready(PARENT_CHECK_INTERVAL_MS):
                 if os.getppid() != self.parent:
                     return False  # orphaned: our main process is gone
                 continue
-            msg = conn.recv()
+            msg = tasks.recv()
             if isinstance(msg, TaskMsg):
                 if msg.gen == self.gen:
                     if msg.grant is not None:  # the loader's segment for it (LoaderPool)
@@ -831,6 +845,7 @@ class _WorkerLoop:
                 self.pending.clear()
                 self.grants.clear()
                 self.gen, self.epoch, self.base = msg.gen, msg.epoch, msg.base_seed
+                self._seeds = self._seeds_for(self.base)
                 if isinstance(self.fetcher, MapFetcher):
                     self.fetcher.sample_seed = msg.sample_seed
                     # A persistent worker's copy of a data plan learns the epoch here.
@@ -864,10 +879,7 @@ class _WorkerLoop:
     def _result(self, tid: int, payload: Any) -> Result:
         """Fetch one task under its seed: its ``Result`` (OK, END or ERROR)."""
         spec, fetcher, shm = self.spec, self.fetcher, self.shm
-        if spec.iterable:
-            self.seed = derive_seed(STREAM, self.base, self.wid, payload)
-        else:
-            self.seed = derive_seed(TASK, self.base, tid)
+        self.seed = self._seeds(payload if spec.iterable else tid)
         seed_global_rngs(self.seed)
         shm.take_grant(self.grants.pop(tid, None), self.result_conn)
         self.shm_ok = shm.allow()
@@ -931,7 +943,7 @@ class _WorkerLoop:
         sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
         a reference or form a cycle with it (see _transport)."""
         try:
-            _transport.send(self.result_conn, msg, self.shm, self.shm_ok)
+            _transport.send(self.result_conn, result_to_wire(msg), self.shm, self.shm_ok)
         except (BrokenPipeError, ConnectionResetError, EOFError):
             return False
         except Exception:

@@ -128,3 +128,68 @@ def test_conjugate_and_negative_views_arrive_with_their_values() -> None:
         assert torch.equal(plain, want.resolve_conj().resolve_neg()), key
     got["small"][0] = 7 + 7j
     assert got["small_conj"][0] == 7 - 7j, "the conjugate view no longer shares its base"
+    # A tensor that was no view is none on arrival either (rebuilt in place to its shape).
+    for key in ("scalar", "bool", "half"):
+        assert got[key]._base is None, f"{key} arrived as a view"
+
+
+def test_feed_without_drain_reads_once_per_message_and_loses_nothing(monkeypatch) -> None:
+    """Issue #26: a live worker's socket is read until a short read, not until EAGAIN (the
+    extra read cost a syscall and an exception per small batch). What one read leaves
+    behind comes with the next call; ``drain=True`` still reads to the end."""
+    import socket
+
+    from resumable_loader import _transport
+    from resumable_loader._transport import Receiver, send
+
+    ours, theirs = socket.socketpair()
+    recv = Receiver(ours)
+    reads = []
+    real = socket.socket.recvmsg
+
+    class CountingSocket(socket.socket):
+        def recvmsg(self, *args):  # type: ignore[override]
+            reads.append(1)
+            return real(self, *args)
+
+    recv.sock = CountingSocket(fileno=socket.dup(ours.fileno()))
+    recv.sock.setblocking(False)
+    try:
+        for i in range(3):
+            send(theirs, ("batch", i, torch.tensor([i])))
+            (msg,) = recv.feed(drain=False)
+            assert msg[:2] == ("batch", i) and torch.equal(msg[2], torch.tensor([i]))
+        assert len(reads) == 3, "one read per message: no read that only finds nothing"
+        # A message larger than one read: the rest arrives with the calls that follow.
+        big = bytes(range(256)) * (_transport._READ_CHUNK // 128)
+        send(theirs, ("big", big))
+        send(theirs, ("after", 1))
+        got = []
+        for _ in range(10):
+            got += recv.feed(drain=False)
+            if len(got) == 2:
+                break
+        assert got == [("big", big), ("after", 1)]
+        theirs.close()
+        assert recv.feed(drain=True) == [] and recv.eof
+    finally:
+        recv.sock.close()
+        recv.sock = ours
+        recv.close()
+        theirs.close()
+
+
+def test_a_result_travels_as_a_plain_tuple_and_comes_back_the_same() -> None:
+    """Issue #26: a Result goes on the wire as a plain tuple with an int status (cheaper to
+    pickle than a named tuple and an enum member) and is rebuilt exactly."""
+    import pickle
+
+    from resumable_loader._protocol import Result, Status, result_from_wire, result_to_wire
+
+    for status in Status:
+        msg = Result(3, 17, status, {"x": [1, 2]}, {"k": b"v"}, 2, True)
+        wire = result_to_wire(msg)
+        assert type(wire) is tuple and type(wire[2]) is int
+        back = result_from_wire(pickle.loads(pickle.dumps(wire)))
+        assert back == msg and type(back) is Result
+        assert type(back.status) is Status and back.status is status
