@@ -92,6 +92,9 @@ def test_small_tensors_arrive_exact_with_their_views_still_sharing_memory() -> N
         assert got[key].untyped_storage().data_ptr() == storage, f"{key} no longer shares base"
     got["base"][1, 0] = 99
     assert got["flat"][4] == 99 and got["row"][0] == 99 and got["t"][0, 1] == 99
+    # A tensor that was no view is none on arrival either (rebuilt in place to its shape).
+    for key in ("scalar", "bool", "half"):
+        assert got[key]._base is None, f"{key} arrived as a view"
 
 
 def test_conjugate_and_negative_views_arrive_with_their_values() -> None:
@@ -128,9 +131,6 @@ def test_conjugate_and_negative_views_arrive_with_their_values() -> None:
         assert torch.equal(plain, want.resolve_conj().resolve_neg()), key
     got["small"][0] = 7 + 7j
     assert got["small_conj"][0] == 7 - 7j, "the conjugate view no longer shares its base"
-    # A tensor that was no view is none on arrival either (rebuilt in place to its shape).
-    for key in ("scalar", "bool", "half"):
-        assert got[key]._base is None, f"{key} arrived as a view"
 
 
 def test_feed_without_drain_reads_once_per_message_and_loses_nothing(monkeypatch) -> None:
