@@ -8,16 +8,17 @@ This is the one drawing of the pipeline (docs/internals.md walks along it); each
 module, in the order a batch meets them.
 
  sampler / batch_sampler ──► task source ──► dispatcher ──► task pipe ──► worker process
-  (_sampling: the epoch's    (_tasks: map     (_dispatch:    (one per      (_worker: per-task
-   order; position is        batches or a     the table of   worker)       seeded RNGs, fetch,
-   state)                    stream's shards; outstanding                  collate, send)
-                             assignment, what tasks; Epoch,                      │
-                             a death does,    TaskMsg, re-sends)                 │
+  (_sampling: the epoch's    (_tasks: map     (_dispatch:    (_taskpipe:   (_worker: per-task
+   order; position is        batches or a     the table of   one per       seeded RNGs, fetch,
+   state)                    stream's shards; outstanding    worker; a     collate into the
+                             assignment, what tasks; Epoch,  task in one   granted segment,
+                             a death does,    TaskMsg, re-sends) write)    send)
                              the position)                                       │
  user ◄── reorder buffer ◄── pin thread ◄── result socket (one per worker) ◄─────┘
         (_reorder: releases    (_pin:        (_transport: tensors' fds in-band, never blocks;
-         ids in order, drops    optional)     a result carries its stream state delta)
-         duplicates)
+         ids in order, drops    optional)     a result carries its stream state delta; the
+         duplicates)                          loader's shared-memory segments, LoaderPool,
+                                              lent task by task, their fds sent the other way)
 
  iterators (_iterators): one epoch's wiring of the stages above; the loader (_loader) builds
    it from an EpochSetup, and keeps its Cursor.
