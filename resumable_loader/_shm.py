@@ -27,6 +27,24 @@ import torch
 _NAME = "resumable_loader-batch"
 
 
+def reserve(fd: int, nbytes: int, name: str) -> None:
+    """Size memfd ``fd`` (named ``name``) to ``nbytes`` with its pages reserved now: a lack of
+    memory fails here, never later as a SIGBUS on first touch.
+
+    Raises:
+        RuntimeError: no room, in the words of torch's allocator ("unable to allocate shared
+            memory(shm)", with the errno), so that callers treat it as a full /dev/shm.
+    """
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        code = exc.errno if exc.errno is not None else errno.ENOMEM
+        raise RuntimeError(
+            f"unable to allocate shared memory(shm) for file <memfd:{name}>: "
+            f"{os.strerror(code)} ({code})"
+        ) from None
+
+
 def new_anonymous_shared(nbytes: int) -> torch.UntypedStorage:
     """A CPU storage of ``nbytes`` in shared memory that has no name (see the module docstring).
 
@@ -37,14 +55,7 @@ def new_anonymous_shared(nbytes: int) -> torch.UntypedStorage:
     fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
     try:
         if nbytes:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                code = exc.errno if exc.errno is not None else errno.ENOMEM
-                raise RuntimeError(
-                    f"unable to allocate shared memory(shm) for file <memfd:{_NAME}>: "
-                    f"{os.strerror(code)} ({code})"
-                ) from None
+            reserve(fd, nbytes, _NAME)
         # torch keeps a duplicate of the fd for the storage's life; ours is closed below.
         return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
     finally:

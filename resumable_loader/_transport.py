@@ -81,6 +81,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
+from ._shm import reserve
+
 # 64-bit lengths: a message of any size torch's own pipe would carry (multiprocessing frames
 # over 2 GiB with an 8-byte length too) can be framed -- a batch copied inline over 4 GiB (a
 # non-tensor batch, or a large one that found /dev/shm full) included (issue #25).
@@ -385,14 +387,7 @@ def _reserve(fd: int, nbytes: int) -> None:
         RuntimeError: no room, in the words of torch's allocator (and of ``_shm``), so that
             the batch is redone out of shared memory as when any other allocation fails.
     """
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        code = exc.errno if exc.errno is not None else errno.ENOMEM
-        raise RuntimeError(
-            f"unable to allocate shared memory(shm) for file <memfd:{_POOL_NAME}>: "
-            f"{os.strerror(code)} ({code})"
-        ) from None
+    reserve(fd, nbytes, _POOL_NAME)
 
 
 class _GrantedSegment(_Segment):
