@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+
+def _round_trip(obj: Any) -> Any:
+    """``obj`` sent through our transport over a socket pair, and received."""
+    import socket
+
+    from resumable_loader._transport import Receiver, send
+
+    ours, theirs = socket.socketpair()
+    recv = Receiver(ours)
+    try:
+        send(theirs, obj)
+        (got,) = recv.feed()
+    finally:
+        theirs.close()
+        recv.close()
+    return got
 
 
 def test_receiver_returns_messages_sent_just_before_the_sender_closed() -> None:
@@ -55,9 +74,6 @@ def test_small_tensors_arrive_exact_with_their_views_still_sharing_memory() -> N
     """Small tensors travel as bytes + dtype + shape (issue #26, per-batch overhead): every
     kind arrives with the sender's values, dtype, shape and strides, and tensors that shared
     a storage in the batch still share one -- whether they took that path or torch's."""
-    import socket
-
-    from resumable_loader._transport import Receiver, send
 
     base = torch.arange(12, dtype=torch.int16).view(3, 4)
     sent = {
@@ -72,14 +88,7 @@ def test_small_tensors_arrive_exact_with_their_views_still_sharing_memory() -> N
         "grad": torch.ones(3, requires_grad=True),
         "param": torch.nn.Parameter(torch.ones(2)),
     }
-    ours, theirs = socket.socketpair()
-    recv = Receiver(ours)
-    try:
-        send(theirs, sent)
-        (got,) = recv.feed()
-    finally:
-        theirs.close()
-        recv.close()
+    got = _round_trip(sent)
     for key, want in sent.items():
         have = got[key]
         assert type(have) is type(want), key
@@ -102,9 +111,6 @@ def test_conjugate_and_negative_views_arrive_with_their_values() -> None:
     arrived as ``z`` (torch's own loader does the same). Ours sets the bit again on arrival:
     the values are the sender's, small (bytes path) or large (shared memory), and the view
     still shares its base's storage."""
-    import socket
-
-    from resumable_loader._transport import Receiver, send
 
     small = torch.tensor([1 + 2j, -3 + 0.5j], dtype=torch.complex64)
     large = torch.full((40_000,), 2 - 5j, dtype=torch.complex128)
@@ -116,14 +122,7 @@ def test_conjugate_and_negative_views_arrive_with_their_values() -> None:
         "large_neg": large.conj().imag,
     }
     assert sent["small_conj"].is_conj() and sent["neg"].is_neg()
-    ours, theirs = socket.socketpair()
-    recv = Receiver(ours)
-    try:
-        send(theirs, sent)
-        (got,) = recv.feed()
-    finally:
-        theirs.close()
-        recv.close()
+    got = _round_trip(sent)
     for key, want in sent.items():
         have = got[key]
         assert have.dtype == want.dtype and have.shape == want.shape, key
