@@ -164,8 +164,8 @@ def _inspect(args: argparse.Namespace) -> int:
     elif isinstance(obj, dict) and (from_dump or _looks_like_state(obj)):
         state = obj  # a dump_state file holds the state itself
     else:
-        label, state = _find_state(obj, args.path)
-        source += f", loader state found at key {label!r}"
+        keys, state = _find_state(obj, args.path)
+        source += f", loader state found at key {_label(keys)!r}"
     try:
         if args.json:
             text = json.dumps(_jsonable(state), indent=2, allow_nan=True)
@@ -192,9 +192,7 @@ def _locate(obj: Any, key: str | None, path: str, from_dump: bool) -> tuple[list
         return keys, state
     if isinstance(obj, dict) and (from_dump or _looks_like_state(obj)):
         return [], obj
-    label, state = _find_state(obj, path)
-    keys = _key_path(obj, label, path)
-    return keys, state
+    return _find_state(obj, path)
 
 
 def _key_path(obj: Any, dotted: str, path: str) -> list[Any]:
@@ -775,31 +773,58 @@ def _looks_like_state(obj: dict[Any, Any]) -> bool:
     return K_CONSUMED in obj and len(set(KNOWN_KEYS) & set(obj)) >= 3
 
 
-def _find_state(obj: Any, path: str) -> tuple[str, dict[Any, Any]]:
-    """The one loader state in ``obj`` (searched two levels deep), with its dotted key."""
-    found: list[tuple[str, dict[Any, Any]]] = []
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not isinstance(value, dict):
-                continue
-            if _looks_like_state(value):
-                found.append((str(key), value))
-                continue
-            found.extend(
-                (f"{key}.{sub}", inner)
-                for sub, inner in value.items()
-                if isinstance(inner, dict) and _looks_like_state(inner)
-            )
+# How far the search for the loader state looks: a training checkpoint nests its parts a few
+# levels (``trainer.state.loader``, ``states.0.loader``); a file nested deeper, or with more
+# containers than this, is not walked to the end -- --key says where the state is.
+SEARCH_DEPTH = 16
+SEARCH_CONTAINERS = 100_000
+
+
+def _find_state(obj: Any, path: str) -> tuple[list[Any], dict[Any, Any]]:
+    """The one loader state in ``obj``, at any depth up to ``SEARCH_DEPTH`` through dicts,
+    lists and tuples: (the keys that lead to it, the state). A state is not searched inside;
+    any other container reached twice (a torch.save file may share one, or hold itself) is
+    searched once."""
+    found: list[tuple[list[Any], dict[Any, Any]]] = []
+    seen: set[int] = set()
+    stack: list[tuple[list[Any], Any]] = [([], obj)]
+    cut_short = ""
+    while stack:
+        keys, value = stack.pop()
+        # A state is counted at every key that holds it (torch.save keeps one object saved
+        # twice as one): a skip written at one key would leave the other behind.
+        if keys and isinstance(value, dict) and _looks_like_state(value):
+            found.append((keys, value))
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if len(seen) > SEARCH_CONTAINERS:
+            cut_short = f"; the search stopped after {SEARCH_CONTAINERS} dicts and lists"
+            break
+        if len(keys) >= SEARCH_DEPTH:
+            cut_short = f"; the search looks {SEARCH_DEPTH} levels deep"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        inner = [([*keys, k], v) for k, v in items if isinstance(v, (dict, list, tuple))]
+        stack.extend(reversed(inner))  # popped in the file's order
     if len(found) == 1:
         return found[0]
     if found:
-        labels = [label for label, _ in found]
+        labels = [_label(keys) for keys, _ in found]
         raise CliError(
-            f"{path} holds several loader states ({_list_keys(labels)}); choose one with --key"
+            f"{path} holds several loader states ({_list_keys(labels)}); choose one with "
+            f"--key (e.g. --key {labels[0]})"
         )
     raise CliError(
-        f"no loader state found in {path}; pass --key to say where it is ({_top_level(obj)})"
+        f"no loader state found in {path}{cut_short}; pass --key to say where it is "
+        f"({_top_level(obj)})"
     )
+
+
+def _label(keys: list[Any]) -> str:
+    """The dotted key for a path of keys, as --key takes it."""
+    return ".".join(map(str, keys))
 
 
 def _dig(obj: Any, dotted: str, path: str) -> Any:

@@ -452,3 +452,54 @@ def test_cli_skip_refuses_tensors_saved_on_another_device(
     assert "'cuda:0'" in err and "skip_samples" in err
     assert path.read_bytes() == data
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+# ---- issue #31: the CLI's smaller items ------------------------------------------------------
+
+
+def _nested(levels: int, inner: Any) -> Any:
+    for i in range(levels):
+        inner = {f"level{levels - i}": inner}
+    return inner
+
+
+def test_cli_finds_the_loader_state_at_any_depth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the fix the search stopped two levels deep: a trainer's checkpoint nesting its
+    loader state under trainer.state.data (or in a list) was "no loader state found"."""
+    state, rest = _state_after(2)
+    path = tmp_path / "ckpt.pt"
+    ckpt = {"model": {"w": torch.ones(3)}, "trainer": {"state": {"data": [{"loader": state}]}}}
+    torch.save(ckpt, path)
+    assert main(["inspect", str(path)]) == 0
+    assert "loader state found at key 'trainer.state.data.0.loader'" in capsys.readouterr().out
+    assert main(["skip", str(path), "--samples", "3"]) == 0
+    assert "(key 'trainer.state.data.0.loader')" in capsys.readouterr().out
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved["model"]["w"], torch.ones(3))
+    assert _resumed(saved["trainer"]["state"]["data"][0]["loader"]) == rest[3:]
+
+
+def test_cli_names_every_loader_state_it_finds_and_bounds_the_search(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state, _ = _state_after(2)
+    two = tmp_path / "two.pt"
+    torch.save({"runs": {"a": {"x": {"loader": state}}, "b": [{"y": state}]}}, two)
+    data = two.read_bytes()
+    assert main(["skip", str(two), "--samples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "several loader states (runs.a.x.loader, runs.b.0.y)" in err
+    assert "--key runs.a.x.loader" in err
+    assert two.read_bytes() == data
+    # Nested past the bound (one dict per level, 200 levels): refused in one line, without a
+    # RecursionError, and --key still reaches it.
+    deep = tmp_path / "deep.pt"
+    torch.save(_nested(200, state), deep)
+    assert main(["inspect", str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "looks 16 levels deep" in err and "--key" in err
+    key = ".".join(f"level{i}" for i in range(1, 201))
+    assert main(["inspect", str(deep), "--key", key]) == 0
+    assert "2 tasks consumed" in capsys.readouterr().out
