@@ -9,7 +9,8 @@ inert records, the loader's entries with ``weights_only=True``): inspecting an u
 directory runs no code from it, and nothing it reads is unpickled by plain ``pickle``.
 
 ``skip`` writes the state ``N`` samples further along (``skip_samples``), reading nothing of
-the data: over PATH atomically (a temporary file, fsync, rename), or to OUT. A DCP directory is
+the data: over PATH atomically (a temporary file, fsync, rename), keeping its mode, owner and
+group, or to OUT; a read-only file is not replaced. A DCP directory is
 several files, which no rename replaces at once: its result is a new directory OUT (the files
 copied, the loader's entries rewritten in a file of their own, the metadata pointed at it).
 
@@ -30,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._checkpoint import _create_unique, _fsync_directory, save_checkpoint
+from resumable_loader._checkpoint import _create_unique, _fsync_directory, _write_atomic
 from resumable_loader._codec import (
     MAGIC,
     clip_repr,
@@ -217,6 +218,9 @@ def _skip(args: argparse.Namespace) -> int:
         raise CliError(f"--samples must be >= 0, not {args.samples}")
     if os.path.isdir(args.path):
         return _skip_dcp(args)
+    out = args.output or args.path
+    # Before anything is read: a protected file is refused at once, not after a long load.
+    replaced = _replaced_file(out, args.output is not None)
     locations: set[str] = set()
     obj, _, from_dump = _load(args.path, locations)
     elsewhere = sorted(loc for loc in locations if loc != "cpu")
@@ -246,14 +250,37 @@ def _skip(args: argparse.Namespace) -> int:
         parent[keys[-1]] = new
     else:
         obj = new
-    out = args.output or args.path
     try:
-        save_checkpoint(dump_state(obj) if from_dump else obj, out)
+        _write_atomic(dump_state(obj) if from_dump else obj, out, replaced)
     except OSError as exc:
         raise CliError(f"cannot write {out}: {exc.strerror or exc}") from exc
     where = f" (key {'.'.join(map(str, keys))!r})" if keys else ""
     print(f"skipped {args.samples} samples of the loader state in {args.path}{where}; wrote {out}")
     return 0
+
+
+def _replaced_file(target: str, named: bool) -> os.stat_result | None:
+    """The stat of the file a write to ``target`` would replace (None if there is none), whose
+    owner, group and mode the new file keeps. A file without write permission is refused: a
+    checkpoint made read-only is one someone meant to keep, and a rename would replace it
+    whatever its mode (root may write anything, so the mode bits are read, not access())."""
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CliError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CliError(f"cannot write {target}: not a regular file")
+    if not st.st_mode & 0o222 or not os.access(target, os.W_OK):
+        other = "another -o OUT" if named else "-o OUT"
+        raise CliError(
+            f"{target} is read-only (mode {stat.S_IMODE(st.st_mode):04o}): skip does not "
+            f"replace a checkpoint protected from writing; nothing was written. Write the "
+            f"result elsewhere with {other}, or make the file writable first (chmod u+w) if "
+            "it is meant to be replaced"
+        )
+    return st
 
 
 def _skip_dcp(args: argparse.Namespace) -> int:

@@ -457,6 +457,60 @@ def test_cli_skip_refuses_tensors_saved_on_another_device(
 # ---- issue #31: the CLI's smaller items ------------------------------------------------------
 
 
+def _checkpoint_after(tmp_path: Path, k: int) -> tuple[Path, list[int]]:
+    state, rest = _state_after(k)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "loader": state}, path)
+    return path, rest
+
+
+def test_cli_skip_refuses_to_replace_a_read_only_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint made read-only is one someone meant to keep; a rename replaces it whatever
+    its mode (before the fix it was replaced, as 0644 and owned by whoever ran skip)."""
+    path, rest = _checkpoint_after(tmp_path, 2)
+    path.chmod(0o444)
+    data = path.read_bytes()
+    assert main(["skip", str(path), "--samples", "3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "is read-only (mode 0444)" in err and "-o OUT" in err and "nothing was written" in err
+    assert path.read_bytes() == data and path.stat().st_mode & 0o777 == 0o444
+    # An existing read-only OUT is protected the same way.
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"keep me")
+    out.chmod(0o400)
+    assert main(["skip", str(path), "--samples", "3", "-o", str(out)]) == 2
+    assert "is read-only (mode 0400)" in capsys.readouterr().err
+    assert out.read_bytes() == b"keep me"
+    # Elsewhere, as the message says: the original stays, the result resumes 3 samples on.
+    new = tmp_path / "new.pt"
+    assert main(["skip", str(path), "--samples", "3", "-o", str(new)]) == 0
+    assert _resumed(torch.load(new, weights_only=True)["loader"]) == rest[3:]
+    assert path.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "new.pt", "out.pt"]
+
+
+def test_cli_skip_in_place_keeps_the_files_mode_owner_and_group(tmp_path: Path) -> None:
+    """Before the fix the rewritten file had the mode of a new file (0666 less the umask) and
+    belonged to whoever ran skip. The owner can be given away only by root."""
+    import os
+
+    path, rest = _checkpoint_after(tmp_path, 2)
+    path.chmod(0o640)
+    if os.geteuid() == 0:
+        os.chown(path, 4321, 4322)
+    before = path.stat()
+    assert main(["skip", str(path), "--samples", "3"]) == 0
+    after = path.stat()
+    assert after.st_ino != before.st_ino  # replaced by a rename, not rewritten in place
+    assert after.st_mode & 0o7777 == 0o640
+    assert (after.st_uid, after.st_gid) == (before.st_uid, before.st_gid)
+    assert _resumed(torch.load(path, weights_only=True)["loader"]) == rest[3:]
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
 def _nested(levels: int, inner: Any) -> Any:
     for i in range(levels):
         inner = {f"level{levels - i}": inner}
