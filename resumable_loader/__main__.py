@@ -10,9 +10,10 @@ directory runs no code from it, and nothing it reads is unpickled by plain ``pic
 
 ``skip`` writes the state ``N`` samples further along (``skip_samples``), reading nothing of
 the data: over PATH atomically (a temporary file, fsync, rename), keeping its mode, owner and
-group, or to OUT; a read-only file is not replaced. A DCP directory is
-several files, which no rename replaces at once: its result is a new directory OUT (the files
-copied, the loader's entries rewritten in a file of their own, the metadata pointed at it).
+group, or to OUT; a read-only file is not replaced, and ``N`` 0 writes nothing. A DCP
+directory is several files, which no rename replaces at once: its result is a new directory
+OUT (the files copied, the loader's entries rewritten in a file of their own, the metadata
+pointed at it).
 
 Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read.
 """
@@ -238,23 +239,35 @@ def _skip(args: argparse.Namespace) -> int:
         new = skip_samples(state, args.samples)
     except CheckpointError as exc:
         raise CliError(f"{args.path}: {exc}") from exc
-    if keys:
-        parent = obj
-        for k in keys[:-1]:
-            parent = parent[k]
-        if not isinstance(parent, (dict, list)):
-            raise CliError(
-                f"{args.path}: the loader state sits inside {_kind(parent)}, which cannot be "
-                "changed; save it inside a dict"
+    where = f" (key {_label(keys)!r})" if keys else ""
+    if args.samples == 0:
+        # Nothing moves: PATH keeps its bytes and its mtime (a rewrite through torch.save is
+        # not byte-identical, and a new mtime reads as "changed" to backups and job
+        # schedulers). OUT, if named, is a copy of PATH's bytes.
+        if args.output is None:
+            print(
+                f"0 samples to skip in {args.path}{where}: nothing written, the file is as it was"
             )
-        parent[keys[-1]] = new
+            return 0
+        payload: Any = _read_bytes(args.path)
     else:
-        obj = new
+        if keys:
+            parent = obj
+            for k in keys[:-1]:
+                parent = parent[k]
+            if not isinstance(parent, (dict, list)):
+                raise CliError(
+                    f"{args.path}: the loader state sits inside {_kind(parent)}, which cannot "
+                    "be changed; save it inside a dict"
+                )
+            parent[keys[-1]] = new
+        else:
+            obj = new
+        payload = dump_state(obj) if from_dump else obj
     try:
-        _write_atomic(dump_state(obj) if from_dump else obj, out, replaced)
+        _write_atomic(payload, out, replaced)
     except OSError as exc:
         raise CliError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    where = f" (key {'.'.join(map(str, keys))!r})" if keys else ""
     print(f"skipped {args.samples} samples of the loader state in {args.path}{where}; wrote {out}")
     return 0
 
@@ -283,6 +296,14 @@ def _replaced_file(target: str, named: bool) -> os.stat_result | None:
     return st
 
 
+def _read_bytes(path: str) -> bytes:
+    try:
+        with _open_regular(path) as f:
+            return bytes(f.read())
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
 def _skip_dcp(args: argparse.Namespace) -> int:
     """A DCP directory: the result is a new directory (see the module docstring)."""
     from resumable_loader._skip import skip_samples
@@ -293,13 +314,13 @@ def _skip_dcp(args: argparse.Namespace) -> int:
             f"{out} lies inside {path}: the new checkpoint directory would be written into "
             "the original one; give -o a directory outside it"
         )
-    if out is None or os.path.realpath(out) == os.path.realpath(path):
+    if args.samples and (out is None or os.path.realpath(out) == os.path.realpath(path)):
         raise CliError(
             f"{path} is a torch.distributed.checkpoint directory: several files, which cannot "
             "be replaced all at once; give -o NEW_DIRECTORY (the result is written there, "
             "and the original is left as it was)"
         )
-    if os.path.lexists(out):
+    if out is not None and os.path.lexists(out):
         raise CliError(f"{out} exists; -o names a new directory for the result")
     obj = _load_dcp(path)
     keys, state = _locate(obj, args.key, path, False)
@@ -307,6 +328,16 @@ def _skip_dcp(args: argparse.Namespace) -> int:
         new = skip_samples(state, args.samples)
     except CheckpointError as exc:
         raise CliError(f"{path}: {exc}") from exc
+    where = f"(key {_label(keys)!r})"
+    if args.samples == 0:
+        if out is None:
+            print(
+                f"0 samples to skip in {path} {where}: nothing written, the directory is as it was"
+            )
+            return 0
+        _write_dcp_copy(path, out, {})
+        print(f"0 samples to skip in {path} {where}; copied it to {out}")
+        return 0
     prefix = ".".join(map(str, keys)) + "." if keys else ""
     entries, _ = _read_dcp_metadata(path)
     changed: dict[str, Any] = {}
@@ -324,8 +355,8 @@ def _skip_dcp(args: argparse.Namespace) -> int:
         )
     _write_dcp_copy(path, out, changed)
     print(
-        f"skipped {args.samples} samples of the loader state in {path} (key "
-        f"{prefix.rstrip('.')!r}); wrote the new checkpoint directory {out}"
+        f"skipped {args.samples} samples of the loader state in {path} {where}; wrote the "
+        f"new checkpoint directory {out}"
     )
     return 0
 
@@ -366,15 +397,14 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
     """``out``: a new directory with ``path``'s files, the ``changed`` entries in a data file
     of their own and the metadata pointing at it. Built beside ``out`` under a temporary
-    name and renamed into place, so ``out`` appears complete or not at all."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
+    name and renamed into place, so ``out`` appears complete or not at all. With nothing
+    changed, it is a copy: the metadata's bytes too."""
     parent, name = os.path.split(os.path.abspath(out))
     with _open_regular(os.path.join(path, DCP_METADATA)) as f:
         raw = f.read(MAX_DCP_METADATA + 1)
     try:
-        meta = _DcpMetadataUnpickler(io.BytesIO(raw)).load()
+        # Nothing changed: the metadata is copied as it is, never rebuilt.
+        meta = _DcpMetadataUnpickler(io.BytesIO(raw)).load() if changed else None
     except Exception as exc:
         # Allowed classes built from crafted arguments fail in their own ways (TypeError,
         # ValueError, ...): the file is damaged, which is one line and exit 2, not a traceback.
@@ -384,7 +414,7 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
             "nothing was written"
         ) from exc
     names = sorted(os.listdir(path))
-    if DCP_SKIP_FILE in names:
+    if changed and DCP_SKIP_FILE in names:
         raise CliError(f"{path} already holds {DCP_SKIP_FILE}: skip from the original checkpoint")
     fd, tmp_file = _create_unique(parent, name)  # reserves a unique name for the directory
     os.close(fd)
@@ -407,24 +437,15 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
                         f_out.write(chunk)
                     f_out.flush()
                     os.fsync(f_out.fileno())
-        blob = os.path.join(tmp, DCP_SKIP_FILE)
-        made.append(blob)
-        where: dict[str, Any] = {}
-        with open(blob, "xb") as f_out:
-            for fqn, value in changed.items():
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                where[fqn] = _StorageInfo(DCP_SKIP_FILE, f_out.tell(), buf.tell())
-                f_out.write(buf.getbuffer())
-            f_out.flush()
-            os.fsync(f_out.fileno())
-        for index in list(meta.storage_data):
-            if getattr(index, "fqn", None) in where:
-                meta.storage_data[index] = where[index.fqn]
+        if meta is not None:
+            _write_changed(tmp, meta, changed, made)
         md_path = os.path.join(tmp, DCP_METADATA)
         made.append(md_path)
         with open(md_path, "xb") as f_out:
-            pickle.dump(meta, f_out)
+            if meta is None:
+                f_out.write(raw)
+            else:
+                pickle.dump(meta, f_out)
             f_out.flush()
             os.fsync(f_out.fileno())
         _fsync_directory(tmp)
@@ -443,6 +464,28 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
             pass
         raise
     _fsync_directory(parent)
+
+
+def _write_changed(tmp: str, meta: Any, changed: dict[str, Any], made: list[str]) -> None:
+    """The ``changed`` entries, into ``DCP_SKIP_FILE`` in ``tmp`` (its path noted in
+    ``made``), and ``meta``'s storage records pointed at them."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    blob = os.path.join(tmp, DCP_SKIP_FILE)
+    made.append(blob)
+    where: dict[str, Any] = {}
+    with open(blob, "xb") as f_out:
+        for fqn, value in changed.items():
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            where[fqn] = _StorageInfo(DCP_SKIP_FILE, f_out.tell(), buf.tell())
+            f_out.write(buf.getbuffer())
+        f_out.flush()
+        os.fsync(f_out.fileno())
+    for index in list(meta.storage_data):
+        if getattr(index, "fqn", None) in where:
+            meta.storage_data[index] = where[index.fqn]
 
 
 def _load(path: str, locations: set[str] | None = None) -> tuple[Any, str, bool]:

@@ -557,3 +557,50 @@ def test_cli_names_every_loader_state_it_finds_and_bounds_the_search(
     key = ".".join(f"level{i}" for i in range(1, 201))
     assert main(["inspect", str(deep), "--key", key]) == 0
     assert "2 tasks consumed" in capsys.readouterr().out
+
+
+@pytest.mark.heavy_imports
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_cli_skip_of_zero_samples_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the fix `--samples 0` rewrote the file: new bytes (torch.save's) and a new mtime,
+    which backups and job schedulers read as a changed checkpoint."""
+    import os
+
+    state, _ = _state_after(2)
+    dump = tmp_path / "loader.rls"
+    dump.write_bytes(dump_state(state))
+    pt, _ = _checkpoint_after(tmp_path, 2)
+    for path in (dump, pt):
+        os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+        data = path.read_bytes()
+        assert main(["skip", str(path), "--samples", "0"]) == 0
+        assert "nothing written" in capsys.readouterr().out
+        assert path.read_bytes() == data and path.stat().st_mtime_ns == 1_000_000_000
+    # With -o, OUT is what was asked for: PATH's state 0 samples on, i.e. its bytes.
+    out = tmp_path / "out.pt"
+    assert main(["skip", str(pt), "--samples", "0", "-o", str(out)]) == 0
+    assert out.read_bytes() == pt.read_bytes()
+    # A DCP directory likewise; and 0 samples of a state that cannot move is still refused.
+    ckpt = tmp_path / "ckpt"
+    _saved_dcp(ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert main(["skip", str(ckpt), "--samples", "0"]) == 0
+    assert "nothing written" in capsys.readouterr().out
+    copy = tmp_path / "copy"
+    assert main(["skip", str(ckpt), "--samples", "0", "-o", str(copy)]) == 0
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    stream = tmp_path / "stream.rls"
+    stream.write_bytes(dump_state(DataLoader(ShardedStream(4)).state_dict()))
+    assert main(["skip", str(stream), "--samples", "0"]) == 2
+    assert "iterable dataset" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt",
+        "ckpt.pt",
+        "copy",
+        "loader.rls",
+        "out.pt",
+        "stream.rls",
+    ]
