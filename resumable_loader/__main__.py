@@ -338,22 +338,31 @@ def _skip_dcp(args: argparse.Namespace) -> int:
         _write_dcp_copy(path, out, {})
         print(f"0 samples to skip in {path} {where}; copied it to {out}")
         return 0
-    prefix = ".".join(map(str, keys)) + "." if keys else ""
+    prefix = _label(keys) + "." if keys else ""
     entries, _ = _read_dcp_metadata(path)
-    changed: dict[str, Any] = {}
-    for fqn in entries:
-        if not fqn.startswith(prefix):
-            continue
-        value: Any = new
-        for part in fqn[len(prefix) :].split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        changed[fqn] = value
-    if set(_flat_keys(new)) != {k[len(prefix) :] for k in changed}:
+    held = {fqn[len(prefix) :] for fqn in entries if fqn.startswith(prefix)}
+    flat = _dcp_entries(new)
+    if set(flat) - held:
+        # dcp.load fills the keys of the state_dict it is given. A state saved as
+        # loader.state_dict() is loaded into a fresh loader's state_dict(), which has no
+        # sample_cut: an entry added for it would be passed over, and the loader would resume
+        # at the epoch's start. The same position without a cut fits the keys the checkpoint
+        # has.
+        from resumable_loader._skip import uncut
+
+        try:
+            flat = _dcp_entries(uncut(new))
+        except CheckpointError as exc:
+            raise CliError(f"{path}: {exc}") from exc
+    added, dropped = sorted(set(flat) - held), sorted(held - set(flat))
+    if added or dropped:
         raise CliError(
-            f"{path}: the skipped state has entries the checkpoint lacks; write it with "
-            "dcp.save from the job instead"
+            f"{path}: the skipped state does not fit the entries the checkpoint has (new: "
+            f"{_list_keys(added) or 'none'}; gone: {_list_keys(dropped) or 'none'}), and "
+            "dcp.load reads only the entries its state_dict names; skip in the job instead: "
+            "state = resumable_loader.skip_samples(state, n) before dcp.save"
         )
-    _write_dcp_copy(path, out, changed)
+    _write_dcp_copy(path, out, {prefix + k: v for k, v in flat.items()})
     print(
         f"skipped {args.samples} samples of the loader state in {path} {where}; wrote the "
         f"new checkpoint directory {out}"
@@ -361,21 +370,21 @@ def _skip_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dcp_entries(state: dict[Any, Any]) -> dict[str, Any]:
+    """The entries ``dcp.save`` stores ``state`` under: dotted key -> value. Dicts are opened
+    (an empty one leaves no entry); a list is one entry unless it holds a dict, when its items
+    are entries by index -- torch's ``flatten_state_dict`` rule, which ``dcp.load`` applies to
+    the state_dict it fills."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return dict(flat)
+
+
 def _is_within(inner: str, outer: str) -> bool:
     """Whether the path ``inner`` is ``outer`` or lies under it, links resolved."""
     a, b = os.path.realpath(inner), os.path.realpath(outer)
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
-
-
-def _flat_keys(state: dict[Any, Any]) -> list[str]:
-    """The dotted keys DCP stores a nested dict under (one entry per leaf)."""
-    out = []
-    for k, v in state.items():
-        if isinstance(v, dict) and v:
-            out += [f"{k}.{sub}" for sub in _flat_keys(v)]
-        else:
-            out.append(str(k))
-    return out
 
 
 # The data file the new directory's loader entries go to.

@@ -457,6 +457,54 @@ def test_cli_skip_refuses_tensors_saved_on_another_device(
 # ---- issue #31: the CLI's smaller items ------------------------------------------------------
 
 
+def _mixture() -> Mixture:
+    return Mixture({"a": RangeDataset(13), "c": RangeDataset(7)}, {"a": 2, "c": 1}, seed=3)
+
+
+@pytest.mark.heavy_imports
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize(
+    ("data", "ahead", "n", "rest"),
+    [
+        ("shuffled", [], 5, lambda order: order[4 + 5 :]),
+        ("mixture", [], 5, lambda order: order[4 + 5 :]),
+        # Batch 3 (samples 6 and 7) was delivered ahead (in_order=False): a hole in the rest.
+        ("shuffled", [3], 1, lambda order: order[5:6] + order[8:]),
+    ],
+    ids=["shuffled", "mixture", "delivered-ahead"],
+)
+def test_cli_skips_in_a_dcp_directory_saved_from_a_plain_state_dict(
+    tmp_path: Path, data: str, ahead: list[int], n: int, rest: Any
+) -> None:
+    """The docs' other DCP recipe: dcp.save({"loader": loader.state_dict(), ...}), resumed with
+    dcp.load into a fresh loader's state_dict(). That one has no sample_cut: before the fix the
+    skip was refused ("entries the checkpoint lacks"); written with a sample_cut entry, dcp.load
+    would pass it over and the loader would start the epoch again. (A Mixture's plan holds
+    lists of dicts, which DCP stores item by item.)"""
+    import torch.distributed.checkpoint as dcp
+
+    def make() -> DataLoader:
+        if data == "mixture":
+            return DataLoader(_mixture(), batch_size=2)
+        return _loader(RangeDataset(20), 2, True)
+
+    order = [i for batch in make() for i in _ids(batch)]  # never interrupted
+    loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "skipped"
+    saved = dict(loader.state_dict(), delivered_ahead=ahead)
+    dcp.save({"loader": saved, "model": {"w": torch.arange(3.0)}}, checkpoint_id=ckpt)
+    assert main(["skip", str(ckpt), "--samples", str(n), "-o", str(out)]) == 0
+
+    resumed = make()
+    state = {"loader": resumed.state_dict(), "model": {"w": torch.zeros(3)}}
+    dcp.load(state, checkpoint_id=str(out))
+    resumed.load_state_dict(state["loader"])
+    assert torch.equal(state["model"]["w"], torch.arange(3.0))
+    assert [i for batch in resumed for i in _ids(batch)] == rest(order)
+
+
 def _checkpoint_after(tmp_path: Path, k: int) -> tuple[Path, list[int]]:
     state, rest = _state_after(k)
     path = tmp_path / "ckpt.pt"
