@@ -9,9 +9,11 @@ inert records, the loader's entries with ``weights_only=True``): inspecting an u
 directory runs no code from it, and nothing it reads is unpickled by plain ``pickle``.
 
 ``skip`` writes the state ``N`` samples further along (``skip_samples``), reading nothing of
-the data: over PATH atomically (a temporary file, fsync, rename), or to OUT. A DCP directory is
-several files, which no rename replaces at once: its result is a new directory OUT (the files
-copied, the loader's entries rewritten in a file of their own, the metadata pointed at it).
+the data: over PATH atomically (a temporary file, fsync, rename), keeping its mode, owner and
+group, or to OUT; a read-only file is not replaced, and ``N`` 0 writes nothing. A DCP
+directory is several files, which no rename replaces at once: its result is a new directory
+OUT (the files copied, the loader's entries rewritten in a file of their own, the metadata
+pointed at it).
 
 Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read.
 """
@@ -30,7 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from resumable_loader._checkpoint import _create_unique, _fsync_directory, save_checkpoint
+from resumable_loader._checkpoint import _create_unique, _fsync_directory, _write_atomic
 from resumable_loader._codec import (
     MAGIC,
     clip_repr,
@@ -164,8 +166,8 @@ def _inspect(args: argparse.Namespace) -> int:
     elif isinstance(obj, dict) and (from_dump or _looks_like_state(obj)):
         state = obj  # a dump_state file holds the state itself
     else:
-        label, state = _find_state(obj, args.path)
-        source += f", loader state found at key {label!r}"
+        keys, state = _find_state(obj, args.path)
+        source += f", loader state found at key {_label(keys)!r}"
     try:
         if args.json:
             text = json.dumps(_jsonable(state), indent=2, allow_nan=True)
@@ -192,9 +194,7 @@ def _locate(obj: Any, key: str | None, path: str, from_dump: bool) -> tuple[list
         return keys, state
     if isinstance(obj, dict) and (from_dump or _looks_like_state(obj)):
         return [], obj
-    label, state = _find_state(obj, path)
-    keys = _key_path(obj, label, path)
-    return keys, state
+    return _find_state(obj, path)
 
 
 def _key_path(obj: Any, dotted: str, path: str) -> list[Any]:
@@ -219,6 +219,9 @@ def _skip(args: argparse.Namespace) -> int:
         raise CliError(f"--samples must be >= 0, not {args.samples}")
     if os.path.isdir(args.path):
         return _skip_dcp(args)
+    out = args.output or args.path
+    # Before anything is read: a protected file is refused at once, not after a long load.
+    replaced = _replaced_file(out, args.output is not None)
     locations: set[str] = set()
     obj, _, from_dump = _load(args.path, locations)
     elsewhere = sorted(loc for loc in locations if loc != "cpu")
@@ -236,26 +239,69 @@ def _skip(args: argparse.Namespace) -> int:
         new = skip_samples(state, args.samples)
     except CheckpointError as exc:
         raise CliError(f"{args.path}: {exc}") from exc
-    if keys:
-        parent = obj
-        for k in keys[:-1]:
-            parent = parent[k]
-        if not isinstance(parent, (dict, list)):
-            raise CliError(
-                f"{args.path}: the loader state sits inside {_kind(parent)}, which cannot be "
-                "changed; save it inside a dict"
+    where = f" (key {_label(keys)!r})" if keys else ""
+    if args.samples == 0:
+        # Nothing moves: PATH keeps its bytes and its mtime (a rewrite through torch.save is
+        # not byte-identical, and a new mtime reads as "changed" to backups and job
+        # schedulers). OUT, if named, is a copy of PATH's bytes.
+        if args.output is None:
+            print(
+                f"0 samples to skip in {args.path}{where}: nothing written, the file is as it was"
             )
-        parent[keys[-1]] = new
+            return 0
+        payload: Any = _read_bytes(args.path)
     else:
-        obj = new
-    out = args.output or args.path
+        if keys:
+            parent = obj
+            for k in keys[:-1]:
+                parent = parent[k]
+            if not isinstance(parent, (dict, list)):
+                raise CliError(
+                    f"{args.path}: the loader state sits inside {_kind(parent)}, which cannot "
+                    "be changed; save it inside a dict"
+                )
+            parent[keys[-1]] = new
+        else:
+            obj = new
+        payload = dump_state(obj) if from_dump else obj
     try:
-        save_checkpoint(dump_state(obj) if from_dump else obj, out)
+        _write_atomic(payload, out, replaced)
     except OSError as exc:
         raise CliError(f"cannot write {out}: {exc.strerror or exc}") from exc
-    where = f" (key {'.'.join(map(str, keys))!r})" if keys else ""
     print(f"skipped {args.samples} samples of the loader state in {args.path}{where}; wrote {out}")
     return 0
+
+
+def _replaced_file(target: str, named: bool) -> os.stat_result | None:
+    """The stat of the file a write to ``target`` would replace (None if there is none), whose
+    owner, group and mode the new file keeps. A file without write permission is refused: a
+    checkpoint made read-only is one someone meant to keep, and a rename would replace it
+    whatever its mode (root may write anything, so the mode bits are read, not access())."""
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CliError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CliError(f"cannot write {target}: not a regular file")
+    if not st.st_mode & 0o222 or not os.access(target, os.W_OK):
+        other = "another -o OUT" if named else "-o OUT"
+        raise CliError(
+            f"{target} is read-only (mode {stat.S_IMODE(st.st_mode):04o}): skip does not "
+            f"replace a checkpoint protected from writing; nothing was written. Write the "
+            f"result elsewhere with {other}, or make the file writable first (chmod u+w) if "
+            "it is meant to be replaced"
+        )
+    return st
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with _open_regular(path) as f:
+            return bytes(f.read())
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 def _skip_dcp(args: argparse.Namespace) -> int:
@@ -268,13 +314,13 @@ def _skip_dcp(args: argparse.Namespace) -> int:
             f"{out} lies inside {path}: the new checkpoint directory would be written into "
             "the original one; give -o a directory outside it"
         )
-    if out is None or os.path.realpath(out) == os.path.realpath(path):
+    if args.samples and (out is None or os.path.realpath(out) == os.path.realpath(path)):
         raise CliError(
             f"{path} is a torch.distributed.checkpoint directory: several files, which cannot "
             "be replaced all at once; give -o NEW_DIRECTORY (the result is written there, "
             "and the original is left as it was)"
         )
-    if os.path.lexists(out):
+    if out is not None and os.path.lexists(out):
         raise CliError(f"{out} exists; -o names a new directory for the result")
     obj = _load_dcp(path)
     keys, state = _locate(obj, args.key, path, False)
@@ -282,44 +328,63 @@ def _skip_dcp(args: argparse.Namespace) -> int:
         new = skip_samples(state, args.samples)
     except CheckpointError as exc:
         raise CliError(f"{path}: {exc}") from exc
-    prefix = ".".join(map(str, keys)) + "." if keys else ""
+    where = f"(key {_label(keys)!r})"
+    if args.samples == 0:
+        if out is None:
+            print(
+                f"0 samples to skip in {path} {where}: nothing written, the directory is as it was"
+            )
+            return 0
+        _write_dcp_copy(path, out, {})
+        print(f"0 samples to skip in {path} {where}; copied it to {out}")
+        return 0
+    prefix = _label(keys) + "." if keys else ""
     entries, _ = _read_dcp_metadata(path)
-    changed: dict[str, Any] = {}
-    for fqn in entries:
-        if not fqn.startswith(prefix):
-            continue
-        value: Any = new
-        for part in fqn[len(prefix) :].split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        changed[fqn] = value
-    if set(_flat_keys(new)) != {k[len(prefix) :] for k in changed}:
+    held = {fqn[len(prefix) :] for fqn in entries if fqn.startswith(prefix)}
+    flat = _dcp_entries(new)
+    if set(flat) - held:
+        # dcp.load fills the keys of the state_dict it is given. A state saved as
+        # loader.state_dict() is loaded into a fresh loader's state_dict(), which has no
+        # sample_cut: an entry added for it would be passed over, and the loader would resume
+        # at the epoch's start. The same position without a cut fits the keys the checkpoint
+        # has.
+        from resumable_loader._skip import uncut
+
+        try:
+            flat = _dcp_entries(uncut(new))
+        except CheckpointError as exc:
+            raise CliError(f"{path}: {exc}") from exc
+    added, dropped = sorted(set(flat) - held), sorted(held - set(flat))
+    if added or dropped:
         raise CliError(
-            f"{path}: the skipped state has entries the checkpoint lacks; write it with "
-            "dcp.save from the job instead"
+            f"{path}: the skipped state does not fit the entries the checkpoint has (new: "
+            f"{_list_keys(added) or 'none'}; gone: {_list_keys(dropped) or 'none'}), and "
+            "dcp.load reads only the entries its state_dict names; skip in the job instead: "
+            "state = resumable_loader.skip_samples(state, n) before dcp.save"
         )
-    _write_dcp_copy(path, out, changed)
+    _write_dcp_copy(path, out, {prefix + k: v for k, v in flat.items()})
     print(
-        f"skipped {args.samples} samples of the loader state in {path} (key "
-        f"{prefix.rstrip('.')!r}); wrote the new checkpoint directory {out}"
+        f"skipped {args.samples} samples of the loader state in {path} {where}; wrote the "
+        f"new checkpoint directory {out}"
     )
     return 0
+
+
+def _dcp_entries(state: dict[Any, Any]) -> dict[str, Any]:
+    """The entries ``dcp.save`` stores ``state`` under: dotted key -> value. Dicts are opened
+    (an empty one leaves no entry); a list is one entry unless it holds a dict, when its items
+    are entries by index -- torch's ``flatten_state_dict`` rule, which ``dcp.load`` applies to
+    the state_dict it fills."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return dict(flat)
 
 
 def _is_within(inner: str, outer: str) -> bool:
     """Whether the path ``inner`` is ``outer`` or lies under it, links resolved."""
     a, b = os.path.realpath(inner), os.path.realpath(outer)
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
-
-
-def _flat_keys(state: dict[Any, Any]) -> list[str]:
-    """The dotted keys DCP stores a nested dict under (one entry per leaf)."""
-    out = []
-    for k, v in state.items():
-        if isinstance(v, dict) and v:
-            out += [f"{k}.{sub}" for sub in _flat_keys(v)]
-        else:
-            out.append(str(k))
-    return out
 
 
 # The data file the new directory's loader entries go to.
@@ -341,15 +406,14 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
 def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
     """``out``: a new directory with ``path``'s files, the ``changed`` entries in a data file
     of their own and the metadata pointing at it. Built beside ``out`` under a temporary
-    name and renamed into place, so ``out`` appears complete or not at all."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
+    name and renamed into place, so ``out`` appears complete or not at all. With nothing
+    changed, it is a copy: the metadata's bytes too."""
     parent, name = os.path.split(os.path.abspath(out))
     with _open_regular(os.path.join(path, DCP_METADATA)) as f:
         raw = f.read(MAX_DCP_METADATA + 1)
     try:
-        meta = _DcpMetadataUnpickler(io.BytesIO(raw)).load()
+        # Nothing changed: the metadata is copied as it is, never rebuilt.
+        meta = _DcpMetadataUnpickler(io.BytesIO(raw)).load() if changed else None
     except Exception as exc:
         # Allowed classes built from crafted arguments fail in their own ways (TypeError,
         # ValueError, ...): the file is damaged, which is one line and exit 2, not a traceback.
@@ -359,7 +423,7 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
             "nothing was written"
         ) from exc
     names = sorted(os.listdir(path))
-    if DCP_SKIP_FILE in names:
+    if changed and DCP_SKIP_FILE in names:
         raise CliError(f"{path} already holds {DCP_SKIP_FILE}: skip from the original checkpoint")
     fd, tmp_file = _create_unique(parent, name)  # reserves a unique name for the directory
     os.close(fd)
@@ -382,24 +446,15 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
                         f_out.write(chunk)
                     f_out.flush()
                     os.fsync(f_out.fileno())
-        blob = os.path.join(tmp, DCP_SKIP_FILE)
-        made.append(blob)
-        where: dict[str, Any] = {}
-        with open(blob, "xb") as f_out:
-            for fqn, value in changed.items():
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                where[fqn] = _StorageInfo(DCP_SKIP_FILE, f_out.tell(), buf.tell())
-                f_out.write(buf.getbuffer())
-            f_out.flush()
-            os.fsync(f_out.fileno())
-        for index in list(meta.storage_data):
-            if getattr(index, "fqn", None) in where:
-                meta.storage_data[index] = where[index.fqn]
+        if meta is not None:
+            _write_changed(tmp, meta, changed, made)
         md_path = os.path.join(tmp, DCP_METADATA)
         made.append(md_path)
         with open(md_path, "xb") as f_out:
-            pickle.dump(meta, f_out)
+            if meta is None:
+                f_out.write(raw)
+            else:
+                pickle.dump(meta, f_out)
             f_out.flush()
             os.fsync(f_out.fileno())
         _fsync_directory(tmp)
@@ -418,6 +473,28 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
             pass
         raise
     _fsync_directory(parent)
+
+
+def _write_changed(tmp: str, meta: Any, changed: dict[str, Any], made: list[str]) -> None:
+    """The ``changed`` entries, into ``DCP_SKIP_FILE`` in ``tmp`` (its path noted in
+    ``made``), and ``meta``'s storage records pointed at them."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    blob = os.path.join(tmp, DCP_SKIP_FILE)
+    made.append(blob)
+    where: dict[str, Any] = {}
+    with open(blob, "xb") as f_out:
+        for fqn, value in changed.items():
+            buf = io.BytesIO()
+            torch.save(value, buf)
+            where[fqn] = _StorageInfo(DCP_SKIP_FILE, f_out.tell(), buf.tell())
+            f_out.write(buf.getbuffer())
+        f_out.flush()
+        os.fsync(f_out.fileno())
+    for index in list(meta.storage_data):
+        if getattr(index, "fqn", None) in where:
+            meta.storage_data[index] = where[index.fqn]
 
 
 def _load(path: str, locations: set[str] | None = None) -> tuple[Any, str, bool]:
@@ -775,31 +852,58 @@ def _looks_like_state(obj: dict[Any, Any]) -> bool:
     return K_CONSUMED in obj and len(set(KNOWN_KEYS) & set(obj)) >= 3
 
 
-def _find_state(obj: Any, path: str) -> tuple[str, dict[Any, Any]]:
-    """The one loader state in ``obj`` (searched two levels deep), with its dotted key."""
-    found: list[tuple[str, dict[Any, Any]]] = []
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            if not isinstance(value, dict):
-                continue
-            if _looks_like_state(value):
-                found.append((str(key), value))
-                continue
-            found.extend(
-                (f"{key}.{sub}", inner)
-                for sub, inner in value.items()
-                if isinstance(inner, dict) and _looks_like_state(inner)
-            )
+# How far the search for the loader state looks: a training checkpoint nests its parts a few
+# levels (``trainer.state.loader``, ``states.0.loader``); a file nested deeper, or with more
+# containers than this, is not walked to the end -- --key says where the state is.
+SEARCH_DEPTH = 16
+SEARCH_CONTAINERS = 100_000
+
+
+def _find_state(obj: Any, path: str) -> tuple[list[Any], dict[Any, Any]]:
+    """The one loader state in ``obj``, at any depth up to ``SEARCH_DEPTH`` through dicts,
+    lists and tuples: (the keys that lead to it, the state). A state is not searched inside;
+    any other container reached twice (a torch.save file may share one, or hold itself) is
+    searched once."""
+    found: list[tuple[list[Any], dict[Any, Any]]] = []
+    seen: set[int] = set()
+    stack: list[tuple[list[Any], Any]] = [([], obj)]
+    cut_short = ""
+    while stack:
+        keys, value = stack.pop()
+        # A state is counted at every key that holds it (torch.save keeps one object saved
+        # twice as one): a skip written at one key would leave the other behind.
+        if keys and isinstance(value, dict) and _looks_like_state(value):
+            found.append((keys, value))
+            continue
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if len(seen) > SEARCH_CONTAINERS:
+            cut_short = f"; the search stopped after {SEARCH_CONTAINERS} dicts and lists"
+            break
+        if len(keys) >= SEARCH_DEPTH:
+            cut_short = f"; the search looks {SEARCH_DEPTH} levels deep"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        inner = [([*keys, k], v) for k, v in items if isinstance(v, (dict, list, tuple))]
+        stack.extend(reversed(inner))  # popped in the file's order
     if len(found) == 1:
         return found[0]
     if found:
-        labels = [label for label, _ in found]
+        labels = [_label(keys) for keys, _ in found]
         raise CliError(
-            f"{path} holds several loader states ({_list_keys(labels)}); choose one with --key"
+            f"{path} holds several loader states ({_list_keys(labels)}); choose one with "
+            f"--key (e.g. --key {labels[0]})"
         )
     raise CliError(
-        f"no loader state found in {path}; pass --key to say where it is ({_top_level(obj)})"
+        f"no loader state found in {path}{cut_short}; pass --key to say where it is "
+        f"({_top_level(obj)})"
     )
+
+
+def _label(keys: list[Any]) -> str:
+    """The dotted key for a path of keys, as --key takes it."""
+    return ".".join(map(str, keys))
 
 
 def _dig(obj: Any, dotted: str, path: str) -> Any:

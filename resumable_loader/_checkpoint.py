@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from typing import Any
 
 __all__ = ["save_checkpoint"]
@@ -56,7 +57,18 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
             pickle). In every case the temporary file has been removed and ``path`` is as it
             was.
     """
-    path = os.fspath(path)
+    _write_atomic(obj, os.fspath(path), None)
+
+
+def _write_atomic(obj: Any, path: str, like: os.stat_result | None) -> None:
+    """``save_checkpoint``'s write; with ``like`` (the stat of the file being replaced), the new
+    file takes that file's owner, group and permission bits before it is renamed into place, so
+    the replacement is the same file to everyone who could read (or not read) the old one.
+
+    Raises:
+        PermissionError: ``like``'s owner or group cannot be given to the new file (only root
+            may give a file away); nothing was replaced.
+    """
     directory, name = os.path.split(os.path.abspath(path))
     fd, tmp = _create_unique(directory, name)
     try:
@@ -68,6 +80,8 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
 
                 torch.save(obj, f)
             f.flush()
+            if like is not None:
+                _take_attributes(f.fileno(), like, path)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -79,6 +93,23 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
             pass
         raise
     _fsync_directory(directory)
+
+
+def _take_attributes(fd: int, like: os.stat_result, path: str) -> None:
+    """Give the open file ``fd`` the owner, group and permission bits of ``like``."""
+    mine = os.fstat(fd)
+    if (mine.st_uid, mine.st_gid) != (like.st_uid, like.st_gid):
+        try:
+            os.fchown(fd, like.st_uid, like.st_gid)
+        except PermissionError as exc:
+            raise PermissionError(
+                exc.errno,
+                f"the new file cannot keep {path}'s owner and group (uid {like.st_uid}, gid "
+                f"{like.st_gid}): only root can give a file to another user; nothing was "
+                "replaced",
+            ) from exc
+    # After the chown, which clears the set-user/group-id bits a chmod would have set.
+    os.fchmod(fd, stat.S_IMODE(like.st_mode))
 
 
 def _create_unique(directory: str, name: str) -> tuple[int, str]:

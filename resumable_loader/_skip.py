@@ -183,6 +183,52 @@ def _skip_one(sd: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
+# The most samples ``uncut`` lists one by one as batches delivered ahead: each hole of a cut
+# (a batch delivered ahead of the consumed prefix) becomes one id per sample. An honest state's
+# holes are a few in-flight windows; a crafted one could name a hole of 2**62 samples.
+MAX_UNCUT_AHEAD = 1 << 20
+
+
+def uncut(sd: dict[str, Any]) -> dict[str, Any]:
+    """The same position as ``sd`` (one loader's state under a built-in sampler, as
+    ``skip_samples`` returns it) written without a ``sample_cut``: in batches of one sample
+    (``config.batch_size`` 1), ``consumed`` the samples before the cut's start and
+    ``delivered_ahead`` the samples of its holes. A loader re-cuts it to its own batch size, as
+    it does any state saved with another one, and delivers the same samples.
+
+    For a checkpoint that can hold only the keys it already had: a
+    ``torch.distributed.checkpoint`` directory saved from ``{"loader": loader.state_dict()}``,
+    which ``dcp.load`` fills from a fresh loader's keys, among which there is no cut.
+
+    Raises:
+        CheckpointError: what ``skip_samples`` refuses, or a cut whose holes hold more than
+            ``MAX_UNCUT_AHEAD`` samples.
+    """
+    total = _epoch_samples(sd)
+    rp = _parse(sd)
+    _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, total)
+    if problem is not None:
+        raise _fail(f"{S.K_CUT}: {problem}; the state is damaged")
+    drop_last = sd[S.K_CONFIG].get("drop_last") is True
+    try:
+        cut = (rp.cut or Cut()).advance(total, _per_task(rp), rp.consumed, rp.ahead, drop_last)
+    except ValueError as e:
+        raise _fail(f"{e}; the state is damaged") from None
+    if sum(count for _, count in cut.holes) > MAX_UNCUT_AHEAD:
+        raise _fail(
+            f"{S.K_CUT}: its holes hold more than {MAX_UNCUT_AHEAD} samples, too many to list "
+            "as batches delivered ahead; the state is damaged"
+        )
+    out = copy.deepcopy(sd)
+    out.pop(S.K_CUT, None)
+    out[S.K_VERSION] = S.VERSION
+    if out[S.K_CONFIG].get("batch_size") is not None:
+        out[S.K_CONFIG]["batch_size"] = 1  # None (unbatched) already counts single samples
+    out[S.K_CONSUMED] = cut.start
+    out[S.K_AHEAD] = [p for first, count in cut.holes for p in range(first, first + count)]
+    return out
+
+
 def _per_task(rp: S.ResumePoint) -> int:
     """Samples per batch of the state's position; refused where a batch_sampler made them."""
     per_task = rp.per_task()

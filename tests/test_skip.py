@@ -452,3 +452,203 @@ def test_cli_skip_refuses_tensors_saved_on_another_device(
     assert "'cuda:0'" in err and "skip_samples" in err
     assert path.read_bytes() == data
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+# ---- issue #31: the CLI's smaller items ------------------------------------------------------
+
+
+def _mixture() -> Mixture:
+    return Mixture({"a": RangeDataset(13), "c": RangeDataset(7)}, {"a": 2, "c": 1}, seed=3)
+
+
+@pytest.mark.heavy_imports
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize(
+    ("data", "ahead", "n", "rest"),
+    [
+        ("shuffled", [], 5, lambda order: order[4 + 5 :]),
+        ("mixture", [], 5, lambda order: order[4 + 5 :]),
+        # Batch 3 (samples 6 and 7) was delivered ahead (in_order=False): a hole in the rest.
+        ("shuffled", [3], 1, lambda order: order[5:6] + order[8:]),
+    ],
+    ids=["shuffled", "mixture", "delivered-ahead"],
+)
+def test_cli_skips_in_a_dcp_directory_saved_from_a_plain_state_dict(
+    tmp_path: Path, data: str, ahead: list[int], n: int, rest: Any
+) -> None:
+    """The docs' other DCP recipe: dcp.save({"loader": loader.state_dict(), ...}), resumed with
+    dcp.load into a fresh loader's state_dict(). That one has no sample_cut: before the fix the
+    skip was refused ("entries the checkpoint lacks"); written with a sample_cut entry, dcp.load
+    would pass it over and the loader would start the epoch again. (A Mixture's plan holds
+    lists of dicts, which DCP stores item by item.)"""
+    import torch.distributed.checkpoint as dcp
+
+    def make() -> DataLoader:
+        if data == "mixture":
+            return DataLoader(_mixture(), batch_size=2)
+        return _loader(RangeDataset(20), 2, True)
+
+    order = [i for batch in make() for i in _ids(batch)]  # never interrupted
+    loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "skipped"
+    saved = dict(loader.state_dict(), delivered_ahead=ahead)
+    dcp.save({"loader": saved, "model": {"w": torch.arange(3.0)}}, checkpoint_id=ckpt)
+    assert main(["skip", str(ckpt), "--samples", str(n), "-o", str(out)]) == 0
+
+    resumed = make()
+    state = {"loader": resumed.state_dict(), "model": {"w": torch.zeros(3)}}
+    dcp.load(state, checkpoint_id=str(out))
+    resumed.load_state_dict(state["loader"])
+    assert torch.equal(state["model"]["w"], torch.arange(3.0))
+    assert [i for batch in resumed for i in _ids(batch)] == rest(order)
+
+
+def _checkpoint_after(tmp_path: Path, k: int) -> tuple[Path, list[int]]:
+    state, rest = _state_after(k)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": {"w": torch.ones(3)}, "loader": state}, path)
+    return path, rest
+
+
+def test_cli_skip_refuses_to_replace_a_read_only_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint made read-only is one someone meant to keep; a rename replaces it whatever
+    its mode (before the fix it was replaced, as 0644 and owned by whoever ran skip)."""
+    path, rest = _checkpoint_after(tmp_path, 2)
+    path.chmod(0o444)
+    data = path.read_bytes()
+    assert main(["skip", str(path), "--samples", "3"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1
+    assert "is read-only (mode 0444)" in err and "-o OUT" in err and "nothing was written" in err
+    assert path.read_bytes() == data and path.stat().st_mode & 0o777 == 0o444
+    # An existing read-only OUT is protected the same way.
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"keep me")
+    out.chmod(0o400)
+    assert main(["skip", str(path), "--samples", "3", "-o", str(out)]) == 2
+    assert "is read-only (mode 0400)" in capsys.readouterr().err
+    assert out.read_bytes() == b"keep me"
+    # Elsewhere, as the message says: the original stays, the result resumes 3 samples on.
+    new = tmp_path / "new.pt"
+    assert main(["skip", str(path), "--samples", "3", "-o", str(new)]) == 0
+    assert _resumed(torch.load(new, weights_only=True)["loader"]) == rest[3:]
+    assert path.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "new.pt", "out.pt"]
+
+
+def test_cli_skip_in_place_keeps_the_files_mode_owner_and_group(tmp_path: Path) -> None:
+    """Before the fix the rewritten file had the mode of a new file (0666 less the umask) and
+    belonged to whoever ran skip. The owner can be given away only by root."""
+    import os
+
+    path, rest = _checkpoint_after(tmp_path, 2)
+    path.chmod(0o640)
+    if os.geteuid() == 0:
+        os.chown(path, 4321, 4322)
+    before = path.stat()
+    assert main(["skip", str(path), "--samples", "3"]) == 0
+    after = path.stat()
+    assert after.st_ino != before.st_ino  # replaced by a rename, not rewritten in place
+    assert after.st_mode & 0o7777 == 0o640
+    assert (after.st_uid, after.st_gid) == (before.st_uid, before.st_gid)
+    assert _resumed(torch.load(path, weights_only=True)["loader"]) == rest[3:]
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def _nested(levels: int, inner: Any) -> Any:
+    for i in range(levels):
+        inner = {f"level{levels - i}": inner}
+    return inner
+
+
+def test_cli_finds_the_loader_state_at_any_depth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the fix the search stopped two levels deep: a trainer's checkpoint nesting its
+    loader state under trainer.state.data (or in a list) was "no loader state found"."""
+    state, rest = _state_after(2)
+    path = tmp_path / "ckpt.pt"
+    ckpt = {"model": {"w": torch.ones(3)}, "trainer": {"state": {"data": [{"loader": state}]}}}
+    torch.save(ckpt, path)
+    assert main(["inspect", str(path)]) == 0
+    assert "loader state found at key 'trainer.state.data.0.loader'" in capsys.readouterr().out
+    assert main(["skip", str(path), "--samples", "3"]) == 0
+    assert "(key 'trainer.state.data.0.loader')" in capsys.readouterr().out
+    saved = torch.load(path, weights_only=True)
+    assert torch.equal(saved["model"]["w"], torch.ones(3))
+    assert _resumed(saved["trainer"]["state"]["data"][0]["loader"]) == rest[3:]
+
+
+def test_cli_names_every_loader_state_it_finds_and_bounds_the_search(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state, _ = _state_after(2)
+    two = tmp_path / "two.pt"
+    torch.save({"runs": {"a": {"x": {"loader": state}}, "b": [{"y": state}]}}, two)
+    data = two.read_bytes()
+    assert main(["skip", str(two), "--samples", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "several loader states (runs.a.x.loader, runs.b.0.y)" in err
+    assert "--key runs.a.x.loader" in err
+    assert two.read_bytes() == data
+    # Nested past the bound (one dict per level, 200 levels): refused in one line, without a
+    # RecursionError, and --key still reaches it.
+    deep = tmp_path / "deep.pt"
+    torch.save(_nested(200, state), deep)
+    assert main(["inspect", str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "looks 16 levels deep" in err and "--key" in err
+    key = ".".join(f"level{i}" for i in range(1, 201))
+    assert main(["inspect", str(deep), "--key", key]) == 0
+    assert "2 tasks consumed" in capsys.readouterr().out
+
+
+@pytest.mark.heavy_imports
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_cli_skip_of_zero_samples_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the fix `--samples 0` rewrote the file: new bytes (torch.save's) and a new mtime,
+    which backups and job schedulers read as a changed checkpoint."""
+    import os
+
+    state, _ = _state_after(2)
+    dump = tmp_path / "loader.rls"
+    dump.write_bytes(dump_state(state))
+    pt, _ = _checkpoint_after(tmp_path, 2)
+    for path in (dump, pt):
+        os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+        data = path.read_bytes()
+        assert main(["skip", str(path), "--samples", "0"]) == 0
+        assert "nothing written" in capsys.readouterr().out
+        assert path.read_bytes() == data and path.stat().st_mtime_ns == 1_000_000_000
+    # With -o, OUT is what was asked for: PATH's state 0 samples on, i.e. its bytes.
+    out = tmp_path / "out.pt"
+    assert main(["skip", str(pt), "--samples", "0", "-o", str(out)]) == 0
+    assert out.read_bytes() == pt.read_bytes()
+    # A DCP directory likewise; and 0 samples of a state that cannot move is still refused.
+    ckpt = tmp_path / "ckpt"
+    _saved_dcp(ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert main(["skip", str(ckpt), "--samples", "0"]) == 0
+    assert "nothing written" in capsys.readouterr().out
+    copy = tmp_path / "copy"
+    assert main(["skip", str(ckpt), "--samples", "0", "-o", str(copy)]) == 0
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    stream = tmp_path / "stream.rls"
+    stream.write_bytes(dump_state(DataLoader(ShardedStream(4)).state_dict()))
+    assert main(["skip", str(stream), "--samples", "0"]) == 2
+    assert "iterable dataset" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt",
+        "ckpt.pt",
+        "copy",
+        "loader.rls",
+        "out.pt",
+        "stream.rls",
+    ]
