@@ -1056,8 +1056,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
             return why, ""
         note = (
-            f"the Mixture's new weights apply after the last sample consumed (place {top} of "
-            f"epoch {epoch}'s order of {n}); {behind} samples before it were not consumed "
+            f"the Mixture's new weights apply after the last sample consumed, from place {top} "
+            f"of epoch {epoch}'s order of {n}; {behind} samples before it were not consumed "
             "(delivered ahead out of order, or ranks out of step) and keep the checkpoint's "
             "weights"
             if behind

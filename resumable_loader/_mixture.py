@@ -23,8 +23,11 @@ a position. Two layers:
 Weights may change: the plan is a list of segments, each (first global position, weights).
 A source's count at the start of a segment is carried over from the segments before it, so
 its passes continue across a change: what was drawn stays drawn, nothing of the current pass
-repeats. The state (``state_dict``) is that list, the seed and the sources' names, lengths and
-fingerprints: O(number of changes + number of sources), never O(samples).
+repeats. A change at a resume inside a shuffled epoch is a *rest* (``_Rest``): keyed by the
+place in the epoch's sampler order, not by position, since the consumed positions are scattered
+but the consumed places are a prefix. The state (``state_dict``) is the segments, the rests,
+the seed and the sources' names, lengths and fingerprints: O(number of changes + number of
+sources), never O(samples).
 """
 
 from __future__ import annotations
@@ -315,11 +318,13 @@ class Mixture(Dataset[Any]):
     stratification holds for consecutive positions, so ``shuffle=False`` keeps it in the
     batches (the sources are shuffled within themselves already).
 
-    The epoch: ``set_epoch(e)`` before each epoch (as with ``DistributedSampler``), or index
-    with global positions directly: an index ``i`` means global position
-    ``epoch * num_samples + i``, and may run past the end of the epoch into the next ones.
-    Workers hold a copy of the dataset made when they start: with ``persistent_workers=True``
-    a ``set_epoch`` in the main process does not reach them.
+    The epoch: ``resumable_loader.DataLoader`` sets it, and sends the epoch and the plan to its
+    workers with each epoch. Under torch's loader, ``set_epoch(e)`` before each epoch (as with
+    ``DistributedSampler``), or index with global positions directly: an index ``i`` means
+    global position ``epoch * num_samples + i``, and may run past the end of the epoch into
+    the next ones. torch's workers hold a copy of the dataset made when they start: with
+    ``persistent_workers=True`` a ``set_epoch`` or ``set_weights`` in the main process does
+    not reach them.
 
     Args:
         sources: name -> map-style dataset (``__len__`` and ``__getitem__``), at least one.

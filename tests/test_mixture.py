@@ -690,10 +690,13 @@ def test_new_weights_at_a_resume_govern_the_rest_of_a_shuffled_epoch(workers: in
         assert pairs(ref) == before + after
 
 
-def test_new_weights_at_a_resume_of_a_distributed_shuffled_epoch() -> None:
-    # Simulated ranks: 2 ranks stop after 2 batches of 7, their states merged; 3 ranks resume
-    # with new weights (72 left: 3 even shares, no padding). Compared with an uninterrupted
-    # 2-rank run under the resumed plan.
+@pytest.mark.parametrize(("steps", "world"), [((2, 2), 3), ((2, 1), 1)])
+def test_new_weights_at_a_resume_of_a_distributed_shuffled_epoch(
+    steps: tuple[int, int], world: int
+) -> None:
+    # Simulated ranks: 2 ranks stop after ``steps`` batches of 7, their states merged; ``world``
+    # ranks resume with new weights (what is left makes even shares: no padding). Compared with
+    # an uninterrupted 2-rank run under the resumed plan.
     n = len(where(SHUFFLED))
 
     before, states = [], []
@@ -703,22 +706,42 @@ def test_new_weights_at_a_resume_of_a_distributed_shuffled_epoch() -> None:
         sampler.set_epoch(3)
         loader = DataLoader(mix, batch_size=7, sampler=sampler)
         it = iter(loader)
-        before += [pair for _ in range(2) for pair in pairs([next(it)])]
+        before += [pair for _ in range(steps[r]) for pair in pairs([next(it)])]
         states.append(loader.state_dict())
         del it
         loader.close()
     merged = json.loads(json.dumps(merge_rank_states(states)))
 
-    mixes = [where({"a": 1, "b": 1, "c": 0}) for _ in range(3)]
+    mixes = [where({"a": 1, "b": 1, "c": 0}) for _ in range(world)]
     after = []
+    # Ranks out of step (rank 1 a batch behind) leave rank 1's places 15, 17, ..., 25 of the
+    # order unconsumed before rank 0's last one (26): those keep the old weights, and the load
+    # says how many.
+    behind = 6 if steps[0] > steps[1] else 0
     for r, m in enumerate(mixes):
-        loader = DataLoader(m, batch_size=2, sampler=DistributedSampler(m, 3, r, seed=7))
-        loader.load_state_dict(merged)  # sets the sampler's epoch: the state's
+        loader = DataLoader(m, batch_size=2, sampler=DistributedSampler(m, world, r, seed=7))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader.load_state_dict(merged)  # sets the sampler's epoch: the state's
+        notes = [str(w.message) for w in caught if "checkpoint's weights" in str(w.message)]
+        assert len(notes) == (1 if behind else 0)
+        assert all(f"; {behind} samples before it were not consumed" in t for t in notes)
         after += pairs(loader)
         loader.close()
-    check_the_rest(before, after, n)
     plans = [m.state_dict() for m in mixes]
     assert all(p == plans[0] for p in plans), "every rank computes the same plan"
+
+    # The samples behind: those before the last consumed place of the epoch's order (torch's,
+    # read from a sampler of one rank). They keep the old weights; the rest follows the new.
+    order = DistributedSampler(where(SHUFFLED), 1, 0, seed=7)
+    order.set_epoch(3)
+    place = {p: i for i, p in enumerate(order)}
+    top = max(place[p] for p, _ in before)
+    kept = [(p, v) for p, v in after if place[p] < top]
+    assert len(kept) == behind
+    old = where(SHUFFLED)
+    assert all(old[p] == (p, v) for p, v in kept)
+    check_the_rest(before + kept, [x for x in after if place[x[0]] > top], n)
 
     reference: dict[int, str] = {}
     for r in range(2):
