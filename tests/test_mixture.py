@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
+from resumable_loader.__main__ import main as cli_main
 from resumable_loader._mixture import _permute
 from resumable_loader.testing import check_resume, roundtrip_state
 
@@ -650,7 +651,9 @@ def check_the_rest(before: list[Any], after: list[Any], n: int) -> None:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_new_weights_at_a_resume_govern_the_rest_of_a_shuffled_epoch(workers: int) -> None:
+def test_new_weights_at_a_resume_govern_the_rest_of_a_shuffled_epoch(
+    workers: int, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     def loader(mix: Mixture) -> DataLoader:
         return DataLoader(
             mix,
@@ -679,6 +682,10 @@ def test_new_weights_at_a_resume_govern_the_rest_of_a_shuffled_epoch(workers: in
     # A checkpoint taken before the first batch holds the plan as loaded, new weights included.
     loaded, now = at_load["data_plan"], mix.state_dict()
     assert (loaded["weights"], loaded["rests"]) == (now["weights"], now["rests"])
+    # ... and `inspect` shows the change inside the epoch.
+    torch.save(at_load, tmp_path / "ckpt.pt")
+    assert cli_main(["inspect", str(tmp_path / "ckpt.pt")]) == 0
+    assert "and {'a': 1, 'b': 1, 'c': 0} from place 24 of epoch 0's" in capsys.readouterr().out
 
     # The reference: an uninterrupted run of the same job under the plan the resume made,
     # from the epoch's first sample. It must deliver what the interrupted run delivered, then
