@@ -699,6 +699,42 @@ def test_new_weights_at_a_resume_govern_the_rest_of_a_shuffled_epoch(
         assert pairs(ref) == before + after
 
 
+def test_two_weight_changes_in_one_shuffled_epoch_compose() -> None:
+    # Resumed with new weights, then resumed again in the same epoch with newer ones: each
+    # change governs what is delivered after it, and the plan holds both.
+    def loader(mix: Mixture) -> DataLoader:
+        return DataLoader(
+            mix, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+        )
+
+    first = loader(where(SHUFFLED))
+    it = iter(first)
+    before = [pair for _ in range(6) for pair in pairs([next(it)])]
+    sd = json.loads(json.dumps(first.state_dict()))
+    del it
+    middle_loader = loader(where({"a": 1, "b": 1, "c": 0}))
+    middle_loader.load_state_dict(sd)
+    it = iter(middle_loader)
+    middle = [pair for _ in range(3) for pair in pairs([next(it)])]
+    sd = json.loads(json.dumps(middle_loader.state_dict()))
+    del it
+    mix = where({"a": 0, "b": 1, "c": 1})
+    last = loader(mix)
+    last.load_state_dict(sd)
+    after = pairs(last)
+    for done in (first, middle_loader, last):
+        done.close()
+
+    assert sorted(p for p, _ in before + middle + after) == list(range(len(mix)))
+    assert not [v for _, v in middle if v.startswith("c")]
+    assert not [v for _, v in after if v.startswith("a")]
+    assert [r["from"] for r in mix.state_dict()["rests"]] == [24, 36]
+    ref_mix = where({"a": 0, "b": 1, "c": 1})
+    ref_mix.load_state_dict(mix.state_dict())
+    with loader(ref_mix) as ref:
+        assert pairs(ref) == before + middle + after
+
+
 @pytest.mark.parametrize(("steps", "world"), [((2, 2), 3), ((2, 1), 1)])
 def test_new_weights_at_a_resume_of_a_distributed_shuffled_epoch(
     steps: tuple[int, int], world: int
