@@ -1106,6 +1106,17 @@ def _plan_lines(out: _Lines, plan: dict[Any, Any]) -> None:
         f"seed {_scalar(plan.get('seed', MISSING))}, epoch {_scalar(plan.get('epoch', MISSING))}"
         f", num_samples {_scalar(plan.get('num_samples', MISSING))}; weights {said}",
     )
+    rests = plan.get("rests", MISSING)
+    if isinstance(rests, list) and rests and isinstance(rests[-1], dict):
+        # Weights changed at a resume inside a shuffled epoch: keyed by the order, not positions.
+        last = rests[-1]
+        out.line(
+            f"{'':17}and {clip_repr(last.get('weights', MISSING), 80)} from place "
+            f"{_scalar(last.get('from', MISSING))} of epoch {_scalar(last.get('epoch', MISSING))}"
+            f"'s sampler order ({len(rests)} change" + "s" * (len(rests) != 1) + " inside an epoch)"
+        )
+    elif rests is not MISSING:
+        out.line(f"{'':17}rests: {_describe(rests)}")
     sources = plan.get("sources", MISSING)
     if not isinstance(sources, list):
         out.line(f"{'':17}sources: {_describe(sources)}")

@@ -80,6 +80,7 @@ class Dispatcher:
         self.epoch = 0  # the epoch, and the base seed, every Epoch message carries
         self.base_seed = 0
         self.sample_seed: int | None = None  # seed_per_sample: what samples' seeds derive from
+        self.data_plan: dict[str, Any] | None = None  # a Mixture's plan (see Epoch)
 
     # ---- what task sources call ----------------------------------------------------------
     def has_room(self) -> bool:
@@ -152,7 +153,10 @@ class Dispatcher:
         """Tell a (new or respawned) worker which epoch it serves, and where it resumes (a
         stream's shard: the state last received from it, and the fetches to replay after it)."""
         resume = self.source.resume(slot)
-        self.sup.send(slot, Epoch(self.gen, self.epoch, self.base_seed, resume, self.sample_seed))
+        self.sup.send(
+            slot,
+            Epoch(self.gen, self.epoch, self.base_seed, resume, self.sample_seed, self.data_plan),
+        )
 
     # ---- results and deaths --------------------------------------------------------------
     def on_result(self, slot: WorkerSlot, tid: int) -> Task | None:

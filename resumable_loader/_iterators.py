@@ -85,6 +85,7 @@ class EpochSetup:
     max_task_attempts: int
     on_poison: str
     sample_seed: int | None  # seed_per_sample: what each sample's seed derives from
+    data_plan: dict[str, Any] | None  # a Mixture's state_dict() at iter(), for the workers
     len_reported: int | None  # an iterable dataset's len(loader), if the caller asked for it
     pin_fn: Callable[[Any], Any] | None
     pin_device: Any  # for the pin thread: a device index, None, or CURRENT_DEVICE
@@ -563,6 +564,7 @@ class MultiProcessIter(BaseIter):
         disp.epoch = self.epoch
         disp.base_seed = self._base
         disp.sample_seed = setup.sample_seed
+        disp.data_plan = setup.data_plan
         self._disp = disp
         self._tasks = tasks
         self._recovery = Recovery(

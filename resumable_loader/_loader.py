@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler, SequentialSampler
@@ -37,7 +38,7 @@ from ._cursor import Cut, check_cut
 from ._errors import CheckpointError, LoaderClosedError
 from ._iterators import CURRENT_DEVICE, BaseIter, EpochSetup, MultiProcessIter, SingleProcessIter
 from ._lifecycle import Cursor
-from ._mixture import Mixture, follow_epoch, load_plan, plan_changes
+from ._mixture import Mixture, RestAt, follow_epoch, hold_epoch, load_plan, plan_changes
 from ._pin import pin_memory
 from ._samplers import BatchSampler as OurBatchSampler
 from ._samplers import RandomSampler as OurRandomSampler
@@ -321,6 +322,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
         it: BaseIter
         follow_epoch(self.dataset, epoch)
+        if self.num_workers > 0:
+            # The workers serve this epoch from the plan as it is now (it travels with the
+            # epoch): a later change inside the epoch would reach the state but not them.
+            hold_epoch(self.dataset, epoch)
         gen = self._plan.sampler_generator
         self._epoch_rng = encode_generator(gen) if gen is not None else None
         try:
@@ -366,6 +371,11 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             max_task_attempts=self.max_task_attempts,
             on_poison=self.on_poison,
             sample_seed=self._sample_seed(),
+            data_plan=(
+                self.dataset.state_dict()
+                if isinstance(self.dataset, Mixture) and self.num_workers > 0
+                else None
+            ),
             len_reported=self._IterableDataset_len_called,
             pin_fn=pin_fn,
             pin_device=None if self._force_pin_fn is not None else CURRENT_DEVICE,
@@ -560,7 +570,12 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         cursor = self._cursor
         if self._resume is not None:
             if self._resume.source is not None and not self._resume.dataset_changes:
-                return copy.deepcopy(self._resume.source)
+                sd = copy.deepcopy(self._resume.source)
+                if isinstance(self.dataset, Mixture):
+                    # The plan as loaded: with new weights from the resume point on, which the
+                    # state read does not hold.
+                    sd[S.K_PLAN] = self.dataset.state_dict()
+                return sd
             # Re-cut from a global state, or resumed onto changed data: the position read, on
             # this loader's data (so a resume from it on the same data checks clean).
             pending = copy.copy(self._resume)
@@ -974,8 +989,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def _load_plan(self, rp: S.ResumePoint) -> None:
         """A ``Mixture``'s plan from the state: the last check that can refuse it (the mixture
         is left as it was on refusal). New weights the mixture was built with apply from the
-        first position not yet consumed: in a sequential epoch, the next sample; in a shuffled
-        one (whose consumed positions are scattered), the next epoch."""
+        first sample not yet consumed, in the order the sampler delivers the epoch (see
+        ``_plan_resume``), or are refused where that order cannot be recomputed."""
         mix = self.dataset
         if not isinstance(mix, Mixture):
             # On changed data (another class: the check named it) a plan is not ours to follow.
@@ -993,20 +1008,105 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 f"cannot load DataLoader state: {S.K_PLAN}: missing, but this loader's dataset "
                 "is a Mixture. The state was taken over another dataset."
             )
-        n = len(mix)
+        resume, behind = self._plan_resume(rp, len(mix))
+        changed = load_plan(mix, rp.plan, resume=resume, changes_ok=bool(rp.dataset_changes))
+        if changed and behind:
+            warnings.warn(behind, RuntimeWarning, stacklevel=4)
+
+    def _plan_resume(self, rp: S.ResumePoint, n: int) -> tuple[int | RestAt | str, str]:
+        """Where a ``Mixture``'s new weights begin at this resume: after every sample consumed.
+
+        The epoch's sampler visits its positions in an order; what was consumed is a prefix of
+        that order, less any batches delivered ahead (``in_order=False``) or ranks out of step.
+        The new weights begin at the place ``top`` just after the last consumed sample: a
+        global position when the order is ``range(n)``, else a place in the order (``RestAt``:
+        the k-th sample delivered after the resume is the k-th of the new weights). The few
+        unconsumed samples before ``top`` keep the old weights: the second value says so (a
+        warning, if the weights changed), or is empty. A str first: the reason the order
+        cannot be recomputed (the load is refused if the weights changed).
+        """
+        epoch = rp.epoch
         begun = rp.consumed or rp.ahead or rp.history or rp.drawn or rp.cut is not None
-        at = rp.epoch * n
-        if begun:
-            sequential = (
-                self._plan.kind == BUILTIN and type(self._plan.sampler) is SequentialSampler
+        if not begun:
+            return epoch * n, ""
+        kind, sampler = self._plan.kind, self._plan.sampler
+        order: dict[str, Any] | None = None
+        if kind == BUILTIN:
+            cut = (rp.cut or Cut()).advance(n, self._plan.per_task(), rp.consumed, rp.ahead)
+            top = max([cut.start, *(f + c for f, c in cut.holes)])
+            behind = top - cut.start - sum(c for _, c in cut.holes)
+            if type(sampler) is not SequentialSampler:
+                if sampler.replacement or sampler.num_samples != n:
+                    why = (
+                        f"the sampler draws {sampler.num_samples} positions of {n}"
+                        f"{' with replacement' if sampler.replacement else ''}, so the rest "
+                        "of the epoch is no set of positions that new weights could be given to"
+                    )
+                    return why, ""
+                assert rp.seed is not None  # begun: inside an epoch
+                order = {"kind": "random", "seed": rp.seed}
+        elif kind == DISTRIBUTED:
+            top, behind = self._distributed_top(rp, n)
+            if sampler.shuffle:
+                order = {"kind": "distributed", "seed": sampler.seed, "epoch": rp.sampler_epoch}
+        else:
+            why = (
+                f"the loader cannot recompute the order of its sampler ({self._plan.description})"
+                ", so it cannot tell which samples of the epoch are still to come"
             )
-            cut = rp.cut or Cut()
-            if sequential and not rp.ahead and not cut.holes:
-                # Consumed (or skipped): the positions before the rest's first unconsumed one.
-                at += cut.advance(n, self._plan.per_task(), rp.consumed).start
-            else:
-                at += n
-        load_plan(mix, rp.plan, resume_at=at, changes_ok=bool(rp.dataset_changes))
+            return why, ""
+        note = (
+            f"the Mixture's new weights apply after the last sample consumed, from place {top} "
+            f"of epoch {epoch}'s order of {n}; {behind} samples before it were not consumed "
+            "(delivered ahead out of order, or ranks out of step) and keep the checkpoint's "
+            "weights"
+            if behind
+            else ""
+        )
+        if top >= n:
+            return (epoch + 1) * n, note
+        if order is None or top == 0:
+            return epoch * n + top, note
+        return RestAt(epoch, top, order), note
+
+    def _distributed_top(self, rp: S.ResumePoint, n: int) -> tuple[int, int]:
+        """A DistributedSampler epoch: one past the last place (in the epoch's order, before
+        torch's cut) any rank consumed, and how many places before it are still to come.
+
+        The levels of ``rp.history`` hold each rank's count. A rank's own state (the level it
+        is in has samples consumed) says only what this rank consumed: the other ranks are
+        taken to be in step with it, as ranks that step together are."""
+        s = self._plan.sampler
+        drop_last = s.drop_last
+        seq = np.arange(n, dtype=np.int64)  # places, cut and re-cut as the positions are
+        top = -1
+        levels = list(rp.history)
+        own: np.ndarray | None = None
+        if rp.consumed or rp.ahead:
+            share = len(self._plan.distributed_share(rp.sampler_epoch, rp.history))
+            bs = self._plan.per_task()
+            mine = [np.arange(min(share, rp.consumed * bs), dtype=np.int64)]
+            mine += [np.arange(t * bs, min(share, (t + 1) * bs), dtype=np.int64) for t in rp.ahead]
+            own = np.concatenate(mine)
+        for world, consumed in levels:
+            total = min(len(seq), D.cut_length(len(seq), world, drop_last))
+            for r, c in enumerate(consumed):
+                took = seq[r : min(total, c * world + r) : world]
+                if len(took):
+                    top = max(top, int(took.max()))
+            seq = D.remaining(seq, world, consumed, drop_last)
+        if own is not None:
+            world = s.num_replicas
+            total = min(len(seq), D.cut_length(len(seq), world, drop_last))
+            taken = np.zeros(len(seq), dtype=bool)
+            for r in range(world):
+                at = own * world + r
+                taken[at[at < total]] = True
+            if taken.any():
+                top = max(top, int(seq[taken].max()))
+            seq = seq[~taken]
+        top += 1
+        return top, int((seq < top).sum())
 
     def statistics(self) -> LoaderStatistics:
         """A frozen snapshot of respawns, retries, re-sent tasks, dropped duplicates, waits,

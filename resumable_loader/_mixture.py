@@ -23,8 +23,11 @@ a position. Two layers:
 Weights may change: the plan is a list of segments, each (first global position, weights).
 A source's count at the start of a segment is carried over from the segments before it, so
 its passes continue across a change: what was drawn stays drawn, nothing of the current pass
-repeats. The state (``state_dict``) is that list, the seed and the sources' names, lengths and
-fingerprints: O(number of changes + number of sources), never O(samples).
+repeats. A change at a resume inside a shuffled epoch is a *rest* (``_Rest``): keyed by the
+place in the epoch's sampler order, not by position, since the consumed positions are scattered
+but the consumed places are a prefix. The state (``state_dict``) is the segments, the rests,
+the seed and the sources' names, lengths and fingerprints: O(number of changes + number of
+sources), never O(samples).
 """
 
 from __future__ import annotations
@@ -38,19 +41,27 @@ import operator
 import warnings
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from . import _fingerprint as F
 from ._codec import clip_repr
 from ._errors import CheckpointError
+from ._samplers import check_order, order_of
 
 __all__ = ["Mixture"]
 
 STATE_KIND = "resumable_loader.Mixture"
-STATE_VERSION = 1
+# Version 2 adds "rests" (weights changed inside a shuffled epoch, keyed by the sampler's order).
+# A plan without them is still written as version 1, so that a library that reads only version 1
+# keeps loading every plan it can serve; one with them must not be read by it (it would ignore
+# them and serve the old weights).
+STATE_VERSION = 2
+_READS = (1, 2)
 _STATE_KEYS = ("kind", "version", "seed", "num_samples", "epoch", "sources", "weights")
+_REST_KEYS = {"epoch", "length", "order", "from", "weights"}
 
 _M30 = (1 << 30) - 1
 # Odd 30-bit multipliers for the round hash (any odd constants with mixed bits would do; these
@@ -234,11 +245,61 @@ class _Segment:
         return m
 
 
-def follow_epoch(dataset: Any, epoch: int) -> None:
-    """Tell a ``Mixture`` which epoch its positions are in (the loader calls it at ``iter()``
-    and each worker at the epoch's start); any other dataset is left alone."""
+class _Rest:
+    """The rest of one epoch after a weights change at a resume under a shuffling sampler.
+
+    The sampler visits the epoch's positions in an order (``order``: its plain-data name, see
+    ``_samplers.order_of``); the samples at places ``start``, ``start + 1``, ... of that order
+    are drawn under ``seg`` (new weights), the ``m``-th of them at the segment's position
+    ``m``. Which positions were consumed before the change is thereby the order's prefix,
+    whatever positions it holds: the k-th sample delivered after the resume is the k-th of
+    the segment.
+    """
+
+    __slots__ = ("epoch", "order", "seg", "start")
+
+    def __init__(self, epoch: int, order: dict[str, Any], start: int, seg: _Segment) -> None:
+        self.epoch = epoch
+        self.order = order
+        self.start = start
+        self.seg = seg
+
+    def to_state(self, n: int) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "length": n,
+            "order": dict(self.order),
+            "from": self.start,
+            "weights": dict(self.seg.weights),
+        }
+
+
+class RestAt(NamedTuple):
+    """Where new weights begin inside epoch ``epoch`` of a shuffling sampler: at place
+    ``start`` (``0 < start < len``) of the epoch's order ``order`` (see ``_Rest``)."""
+
+    epoch: int
+    start: int
+    order: dict[str, Any]
+
+
+def follow_epoch(dataset: Any, epoch: int, plan: Any = None) -> None:
+    """Tell a ``Mixture`` which epoch its positions are in, and (``plan``: a ``state_dict()``)
+    the plan the main process holds for it. The loader calls it at ``iter()``, and each worker
+    at the epoch's start with the plan its ``Epoch`` message carries: a worker's copy of the
+    mixture is as old as the worker, the main process's plan is the one its state saves. Any
+    other dataset is left alone."""
     if isinstance(dataset, Mixture):
+        if plan is not None:
+            dataset._adopt(plan)
         dataset.set_epoch(epoch)
+
+
+def hold_epoch(dataset: Any, epoch: int) -> None:
+    """The loader's workers serve epoch ``epoch`` of ``dataset`` from the plan as it is now:
+    from here on, ``set_weights`` refuses positions before the next epoch (see ``Mixture``)."""
+    if isinstance(dataset, Mixture):
+        dataset._floor = max(dataset._floor, (epoch + 1) * dataset._num_samples)
 
 
 class Mixture(Dataset[Any]):
@@ -257,11 +318,13 @@ class Mixture(Dataset[Any]):
     stratification holds for consecutive positions, so ``shuffle=False`` keeps it in the
     batches (the sources are shuffled within themselves already).
 
-    The epoch: ``set_epoch(e)`` before each epoch (as with ``DistributedSampler``), or index
-    with global positions directly: an index ``i`` means global position
-    ``epoch * num_samples + i``, and may run past the end of the epoch into the next ones.
-    Workers hold a copy of the dataset made when they start: with ``persistent_workers=True``
-    a ``set_epoch`` in the main process does not reach them.
+    The epoch: ``resumable_loader.DataLoader`` sets it, and sends the epoch and the plan to its
+    workers with each epoch. Under torch's loader, ``set_epoch(e)`` before each epoch (as with
+    ``DistributedSampler``), or index with global positions directly: an index ``i`` means
+    global position ``epoch * num_samples + i``, and may run past the end of the epoch into
+    the next ones. torch's workers hold a copy of the dataset made when they start: with
+    ``persistent_workers=True`` a ``set_epoch`` or ``set_weights`` in the main process does
+    not reach them.
 
     Args:
         sources: name -> map-style dataset (``__len__`` and ``__getitem__``), at least one.
@@ -321,6 +384,24 @@ class Mixture(Dataset[Any]):
         self._segments = [_Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
         self._starts = [0]
         self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
+        # epoch -> its rests, by start (see ``_Rest``); empty in a plan never changed mid-epoch.
+        self._rests: dict[int, list[_Rest]] = {}
+        # The place of each position in the order of the epoch whose rests were last used:
+        # (epoch, array). Built on first use in that epoch, O(len) memory; never pickled.
+        self._inverse: tuple[int, np.ndarray] | None = None
+        # The first global position set_weights may change: a loader with workers serves an
+        # epoch from the plan as it was at iter() (see ``hold_epoch``).
+        self._floor = 0
+        # The last plan a worker adopted from its Epoch message (``_adopt``).
+        self._adopted: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Caches are rebuilt where they are used: a spawned worker gets the plan, not an array
+        # of len(mixture) entries.
+        state = dict(self.__dict__)
+        state["_inverse"] = None
+        state["_keys"] = {}
+        return state
 
     # ---- the plan ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -414,7 +495,12 @@ class Mixture(Dataset[Any]):
         ``from_position`` keep their samples: make it at least the global position of every
         sample already consumed. A loader whose sampler shuffles the positions of an epoch has
         consumed a scattered set of them mid-epoch: then give the start of the next epoch
-        (``(epoch + 1) * len(mixture)``).
+        (``(epoch + 1) * len(mixture)``), or change the weights at a resume (the loader's
+        ``load_state_dict`` gives them to the rest of the shuffled epoch).
+
+        A ``resumable_loader.DataLoader`` with workers serves an epoch from the plan as it was
+        at ``iter()`` (each worker gets it with the epoch): once it began epoch ``e``, a change
+        before ``(e + 1) * len(mixture)`` would not reach the workers, and is refused.
 
         Args:
             weights: name -> weight, one per source (as in the constructor).
@@ -423,11 +509,20 @@ class Mixture(Dataset[Any]):
                 when equal to it.
 
         Raises:
-            ValueError: bad weights, or ``from_position`` before the newest segment's start.
+            ValueError: bad weights, ``from_position`` before the newest segment's start, or
+                inside an epoch a loader's workers already serve.
         """
         from_position = _check_int("from_position", from_position, 0, None)
         plain, fracs = _check_weights(weights, self._names)
         last = self._segments[-1]
+        if from_position < self._floor:
+            raise ValueError(
+                f"weights cannot apply from global position {from_position}: a DataLoader's "
+                f"workers serve the epoch up to position {self._floor} from the plan they got "
+                "at iter(), and the loader's state saves that plan. Give a position >= "
+                f"{self._floor} (the next epoch), or change the weights at a resume: build the "
+                "Mixture with them and call loader.load_state_dict(state)."
+            )
         if from_position < last.start:
             raise ValueError(
                 f"weights cannot apply from global position {from_position}: the plan already "
@@ -456,9 +551,9 @@ class Mixture(Dataset[Any]):
             a dict of None/bool/int/float/str/list/dict (json, msgpack and
             ``torch.load(weights_only=True)`` safe).
         """
-        return {
+        state = {
             "kind": STATE_KIND,
-            "version": STATE_VERSION,
+            "version": 1,
             "seed": self._seed,
             "num_samples": self._num_samples,
             "epoch": self._epoch,
@@ -468,6 +563,12 @@ class Mixture(Dataset[Any]):
             ],
             "weights": [{"from": s.start, "weights": dict(s.weights)} for s in self._segments],
         }
+        if self._rests:
+            state["version"] = STATE_VERSION
+            state["rests"] = [
+                r.to_state(self._num_samples) for e in sorted(self._rests) for r in self._rests[e]
+            ]
+        return state
 
     def load_state_dict(
         self,
@@ -500,60 +601,172 @@ class Mixture(Dataset[Any]):
             ValueError: ``on_dataset_change`` is neither ``"raise"`` nor ``"continue"``.
         """
         policy = F.check_policy(on_dataset_change)
-        changes = self._load(state, resume_at, policy == F.CONTINUE, check_num_samples=True)
+        changes, _ = self._load(state, resume_at, policy == F.CONTINUE, check_num_samples=True)
         if changes:
             F.warn_changed(changes, "Mixture", stacklevel=2)
 
     def _load(
-        self, state: Any, resume_at: int | None, changes_ok: bool, *, check_num_samples: bool
-    ) -> list[str]:
+        self,
+        state: Any,
+        resume: int | RestAt | str | None,
+        changes_ok: bool,
+        *,
+        check_num_samples: bool,
+    ) -> tuple[list[str], bool]:
         """``load_state_dict``'s work; returns what changed in the data (allowed when
-        ``changes_ok``, else refused)."""
-        seed, epoch, segments, changes = self._parse_state(state, check_num_samples)
+        ``changes_ok``, else refused), and whether new weights were applied. New weights (this
+        mixture's, when they are not the checkpoint's newest) apply from ``resume``: a global
+        position, a place in a shuffled epoch's order (``RestAt``), or -- a str -- nowhere:
+        the reason they cannot."""
+        seed, epoch, segments, changes, rests = self._parse_state(state, check_num_samples)
         if changes and not changes_ok:
             raise F.changed_error(changes, "Mixture")
         own = self._segments[-1]
         own_fracs = _check_weights(own.weights, self._names)[1]
-        new_weights: tuple[dict[str, int | float], tuple[Fraction, ...]] | None = None
-        if not _same_ratios(own_fracs, _check_weights(segments[-1][1], self._names)[1]):
-            new_weights = (own.weights, own_fracs)
-        built: list[_Segment] = []
-        for start, weights in segments:
-            plain, fracs = _check_weights(weights, self._names)
-            built.append(self._segment_after(built, start, plain, fracs, seed))
-        if new_weights is not None and resume_at is not None:
-            try:
-                resume_at = _check_int("resume_at", resume_at, 0, None)
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(str(e)) from None
-            if resume_at < built[-1].start:
+        specs = [(start, *_check_weights(w, self._names)) for start, w in segments]
+        rest_specs = [(e, order, at, *_check_weights(w, self._names)) for e, order, at, w in rests]
+        theirs = specs[-1][1]
+        applied = False
+        if not _same_ratios(own_fracs, specs[-1][2]):
+            new = (own.weights, own_fracs)
+            if isinstance(resume, str):
                 raise CheckpointError(
-                    f"the new weights {new_weights[0]} cannot apply from global position "
-                    f"{resume_at}: the checkpoint's weights {built[-1].weights} apply from "
-                    f"{built[-1].start} on. Pass the position of the first unconsumed sample."
+                    f"this Mixture was built with weights {own.weights}, the checkpoint has "
+                    f"{theirs}, and they cannot apply from the resume point: {resume}. Build "
+                    f"the Mixture with the checkpoint's weights {theirs} to resume, then call "
+                    "mix.set_weights(new_weights, from_position=(epoch + 1) * len(mix)) to "
+                    "change them from the next epoch."
                 )
-            keep = built[:-1] if resume_at == built[-1].start else built
-            built = [*keep, self._segment_after(keep, resume_at, *new_weights, seed)]
-        elif new_weights is not None:
-            warnings.warn(
-                f"this Mixture was built with weights {new_weights[0]}, the checkpoint has "
-                f"{built[-1].weights}: kept the checkpoint's. To change them at the resume, "
-                "pass load_state_dict(state, resume_at=<first unconsumed global position>) or "
-                "call set_weights() after loading.",
-                UserWarning,
-                stacklevel=2,
+            applied = resume is not None
+            if isinstance(resume, RestAt):
+                specs, rest_specs = self._with_rest(specs, rest_specs, resume, new)
+            elif resume is not None:
+                try:
+                    resume = _check_int("resume_at", resume, 0, None)
+                except (TypeError, ValueError) as e:
+                    raise CheckpointError(str(e)) from None
+                if resume < specs[-1][0]:
+                    raise CheckpointError(
+                        f"the new weights {own.weights} cannot apply from global position "
+                        f"{resume}: the checkpoint's weights {theirs} apply from "
+                        f"{specs[-1][0]} on. Pass the position of the first unconsumed sample."
+                    )
+                keep = specs[:-1] if resume == specs[-1][0] else specs
+                specs = [*keep, (resume, *new)]
+            else:
+                warnings.warn(
+                    f"this Mixture was built with weights {own.weights}, the checkpoint has "
+                    f"{theirs}: kept the checkpoint's. To change them at the resume, pass "
+                    "load_state_dict(state, resume_at=<first unconsumed global position>) or "
+                    "call set_weights() after loading.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        built, built_rests = self._build(specs, rest_specs, seed)
+        self._seed, self._epoch = seed, epoch
+        self._commit(built, built_rests)
+        self._floor = 0  # a loaded plan is the loader's to hold again at its next iter()
+        return changes, applied
+
+    def _with_rest(
+        self, specs: list[Any], rest_specs: list[Any], at: RestAt, new: tuple[Any, Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """The plan's specs with ``new`` weights from place ``at.start`` of epoch ``at.epoch``'s
+        order on, and from the next epoch's first position on."""
+        end = (at.epoch + 1) * self._num_samples
+        if specs[-1][0] > end:
+            raise CheckpointError(
+                f"the new weights {new[0]} cannot apply inside epoch {at.epoch}: the checkpoint "
+                f"schedules weights {specs[-1][1]} from global position {specs[-1][0]} on, "
+                "after that epoch. Build the Mixture with the checkpoint's weights to resume."
             )
-        self._seed, self._epoch, self._segments = seed, epoch, built
+        keep = specs[:-1] if specs[-1][0] == end else specs
+        earlier = []
+        for r in rest_specs:
+            if r[0] == at.epoch and r[1] != at.order:
+                raise CheckpointError(
+                    f"the checkpoint changed the weights inside epoch {at.epoch} under the "
+                    f"sampler order {r[1]}, this loader's order is {at.order}: build the "
+                    "sampler as the checkpoint's was (its seed, shuffle and generator)."
+                )
+            if r[0] == at.epoch and r[2] > at.start:
+                raise CheckpointError(
+                    f"the new weights {new[0]} cannot apply from place {at.start} of epoch "
+                    f"{at.epoch}: the checkpoint's weights {r[3]} apply from place {r[2]} on."
+                )
+            if r[0] != at.epoch or r[2] < at.start:
+                earlier.append(r)
+        return [*keep, (end, *new)], [*earlier, (at.epoch, at.order, at.start, *new)]
+
+    def _build(
+        self, specs: list[Any], rest_specs: list[Any], seed: int
+    ) -> tuple[list[_Segment], dict[int, list[_Rest]]]:
+        """The segments of ``specs`` (``(start, weights, fractions)``) and the rests of
+        ``rest_specs`` (``(epoch, order, start, weights, fractions)``, in order), each with the
+        counts carried over from what comes before it. An epoch's rests draw after the whole
+        epoch's draws under the segments (``_Rest``), and the next epoch's segment after them.
+
+        Raises:
+            CheckpointError: an epoch's rests without a segment that starts the next epoch.
+        """
+        n = self._num_samples
+        groups: dict[int, list[Any]] = {}
+        for r in rest_specs:
+            groups.setdefault(r[0], []).append(r)
+        anchors = {(e + 1) * n: e for e in groups}
+        built: list[_Segment] = []
+        rests: dict[int, list[_Rest]] = {}
+        for start, plain, fracs in specs:
+            e = anchors.pop(start, None)
+            if e is None or not built:
+                built.append(self._segment_after(built, start, plain, fracs, seed))
+                continue
+            prev = built[-1]
+            base = tuple(
+                prev.base[k] + prev.count(k, start - prev.start) for k in range(len(self._names))
+            )
+            made = []
+            group = groups[e]
+            for i, (_, order, at, rplain, rfracs) in enumerate(group):
+                seg = _Segment(e * n + at, rplain, rfracs, base, seed)
+                stop = group[i + 1][2] if i + 1 < len(group) else n
+                base = tuple(b + seg.count(k, stop - at) for k, b in enumerate(base))
+                made.append(_Rest(e, order, at, seg))
+            rests[e] = made
+            built.append(_Segment(start, plain, fracs, base, seed))
+        if anchors:
+            raise CheckpointError(
+                "bad Mixture state: the weights changed inside epoch(s) "
+                f"{sorted(anchors.values())} but no weights segment starts the epoch after"
+            )
+        return built, rests
+
+    def _commit(self, built: list[_Segment], rests: dict[int, list[_Rest]]) -> None:
+        self._segments = built
         self._starts = [s.start for s in built]
+        self._rests = rests
         self._keys = {}
-        return changes
+        self._inverse = None
+
+    def _adopt(self, plan: Any) -> None:
+        """Serve ``plan`` (the main process's ``state_dict()``, sent with an epoch) from now
+        on: its seed, weights history and rests; the epoch comes with the message."""
+        if plan == self._adopted:
+            return
+        seed, _, segments, _, rests = self._parse_state(plan, check_num_samples=False)
+        specs = [(start, *_check_weights(w, self._names)) for start, w in segments]
+        rest_specs = [(e, order, at, *_check_weights(w, self._names)) for e, order, at, w in rests]
+        built, built_rests = self._build(specs, rest_specs, seed)
+        self._seed = seed
+        self._commit(built, built_rests)
+        self._adopted = plan
 
     def _parse_state(
         self, state: Any, check_num_samples: bool
-    ) -> tuple[int, int, list[tuple[int, Any]], list[str]]:
+    ) -> tuple[int, int, list[tuple[int, Any]], list[str], list[tuple[int, Any, int, Any]]]:
         """Validate ``state`` against this mixture's sources; nothing is changed. Returns its
-        seed, epoch and segments, and how the sources (and ``num_samples``, when
-        ``check_num_samples``) differ from the checkpoint's."""
+        seed, epoch, segments, how the sources (and ``num_samples``, when
+        ``check_num_samples``) differ from the checkpoint's, and its rests."""
         if not isinstance(state, Mapping):
             raise CheckpointError(f"a Mixture state is a dict, not {type(state).__name__}")
         missing = [k for k in _STATE_KEYS if k not in state]
@@ -561,10 +774,10 @@ class Mixture(Dataset[Any]):
             raise CheckpointError(f"not a Mixture state: missing keys {missing}")
         if state["kind"] != STATE_KIND:
             raise CheckpointError(f"not a Mixture state: kind is {state['kind']!r}")
-        if state["version"] != STATE_VERSION:
+        if state["version"] not in _READS or isinstance(state["version"], bool):
             raise CheckpointError(
                 f"Mixture state version {state['version']!r}; this resumable_loader reads "
-                f"version {STATE_VERSION}. Resume with the version that saved it."
+                f"versions {list(_READS)}. Resume with the version that saved it."
             )
         changes = self._source_changes(state["sources"])
         try:
@@ -585,7 +798,7 @@ class Mixture(Dataset[Any]):
         segments: list[tuple[int, Any]] = []
         for j, seg in enumerate(history):
             if not isinstance(seg, Mapping) or set(seg) != {"from", "weights"}:
-                raise CheckpointError(f"bad Mixture state: weights[{j}] is {seg!r}")
+                raise CheckpointError(f"bad Mixture state: weights[{j}] is {clip_repr(seg)}")
             start = seg["from"]
             earlier = segments[-1][0] if segments else -1
             if not _is_int(start) or start <= earlier or (j == 0 and start != 0):
@@ -598,7 +811,45 @@ class Mixture(Dataset[Any]):
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"bad Mixture state: weights[{j}]: {e}") from None
             segments.append((start, seg["weights"]))
-        return seed, epoch, segments, changes
+        return seed, epoch, segments, changes, self._parse_rests(state)
+
+    def _parse_rests(self, state: Mapping[str, Any]) -> list[tuple[int, Any, int, Any]]:
+        """A state's ``rests`` (version 2), validated: ``(epoch, order, start, weights)``."""
+        raw = state.get("rests")
+        if raw is None:
+            return []
+        if state["version"] == 1 or not isinstance(raw, list):
+            raise CheckpointError(f"bad Mixture state: 'rests' is {clip_repr(raw)}")
+        rests: list[tuple[int, Any, int, Any]] = []
+        for j, r in enumerate(raw):
+            ok = isinstance(r, Mapping) and set(r) == _REST_KEYS
+            if ok:
+                e, length, at = r["epoch"], r["length"], r["from"]
+                ok = _is_int(e) and e >= 0 and _is_int(length) and _is_int(at)
+            if not ok:
+                raise CheckpointError(f"bad Mixture state: rests[{j}] is {clip_repr(r)}")
+            if length != self._num_samples:
+                raise CheckpointError(
+                    f"the checkpoint's Mixture changed its weights inside epoch {e} of "
+                    f"{length} positions (a shuffled epoch, keyed by its order); this one has "
+                    f"num_samples={self._num_samples}. Build it with num_samples={length}."
+                )
+            problem = check_order(r["order"])
+            if not 0 < at < length or problem is not None:
+                raise CheckpointError(
+                    f"bad Mixture state: rests[{j}]: "
+                    f"{problem or f'from is {at}, not inside the epoch (0, {length})'}"
+                )
+            if rests and (rests[-1][0], rests[-1][2]) >= (e, at):
+                raise CheckpointError(f"bad Mixture state: rests[{j}] is out of order")
+            if rests and rests[-1][0] == e and rests[-1][1] != r["order"]:
+                raise CheckpointError(f"bad Mixture state: rests[{j}]: one epoch, two orders")
+            try:
+                _check_weights(r["weights"], self._names)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"bad Mixture state: rests[{j}]: {exc}") from None
+            rests.append((e, dict(r["order"]), at, r["weights"]))
+        return rests
 
     def _source_changes(self, saved: Any) -> list[str]:
         """How each source differs from the checkpoint's (length, fingerprint), one line each.
@@ -677,13 +928,17 @@ class Mixture(Dataset[Any]):
 
     def _locate(self, g: int) -> tuple[int, int]:
         """(source, item) of global position ``g``."""
-        segments = self._segments
-        if len(segments) == 1:
-            seg = segments[0]
+        found = self._in_rest(g) if self._rests else None
+        if found is not None:
+            k, drawn = found
         else:
-            seg = segments[bisect.bisect_right(self._starts, g) - 1]
-        k, m = seg.locate(g - seg.start)
-        drawn = seg.base[k] + m
+            segments = self._segments
+            if len(segments) == 1:
+                seg = segments[0]
+            else:
+                seg = segments[bisect.bisect_right(self._starts, g) - 1]
+            k, m = seg.locate(g - seg.start)
+            drawn = seg.base[k] + m
         length = self._lengths[k]
         npass, offset = divmod(drawn, length)
         keys = self._keys.get((k, npass))
@@ -696,6 +951,30 @@ class Mixture(Dataset[Any]):
             )
             self._keys[(k, npass)] = keys
         return k, _permute(offset, length, keys)
+
+    def _in_rest(self, g: int) -> tuple[int, int] | None:
+        """(source, its sample count) of ``g`` if it falls in a rest (``_Rest``), else None."""
+        n = self._num_samples
+        epoch, p = divmod(g, n)
+        group = self._rests.get(epoch)
+        if group is None:
+            return None
+        inverse = self._inverse
+        if inverse is None or inverse[0] != epoch:
+            order = order_of(group[0].order, n)
+            places = np.empty(n, dtype=np.int64)
+            places[order] = np.arange(n, dtype=np.int64)
+            self._inverse = inverse = (epoch, places)
+        d = int(inverse[1][p])
+        rest = None
+        for r in group:  # one per weights change in the epoch: a short list
+            if r.start > d:
+                break
+            rest = r
+        if rest is None:
+            return None
+        k, m = rest.seg.locate(d - rest.start)
+        return k, rest.seg.base[k] + m
 
     def __repr__(self) -> str:
         sources = ", ".join(f"{n}({length})" for n, length in zip(self._names, self._lengths))
@@ -737,7 +1016,9 @@ def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
     return dataset._parse_state(plan, check_num_samples=False)[3]
 
 
-def load_plan(dataset: Mixture, plan: Any, *, resume_at: int, changes_ok: bool) -> None:
-    """``dataset.load_state_dict(plan, resume_at=resume_at)`` for the loader, which checked the
-    data already (``plan_changes``) and warns of changes itself, once."""
-    dataset._load(plan, resume_at, changes_ok, check_num_samples=False)
+def load_plan(dataset: Mixture, plan: Any, *, resume: int | RestAt | str, changes_ok: bool) -> bool:
+    """``dataset.load_state_dict(plan, ...)`` for the loader, which checked the data already
+    (``plan_changes``) and warns of changes itself, once. New weights the mixture was built
+    with apply from ``resume``: a global position, a place in a shuffled epoch's order, or --
+    a str saying why -- nowhere (refused). Returns whether new weights were applied."""
+    return dataset._load(plan, resume, changes_ok, check_num_samples=False)[1]

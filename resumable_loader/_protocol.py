@@ -9,7 +9,8 @@ plain tuples (``TaskMsg``: see ``_taskpipe``; ``Result``: ``result_to_wire``), c
 
 A worker's life in messages: ``Booted`` when it runs our code, then ``Ready`` once
 ``worker_init_fn`` returned (or ``InitError`` if it raised). Per epoch the main process sends
-``Epoch`` (which epoch, its seeds, and for a stream where its shard resumes), then ``TaskMsg``
+``Epoch`` (which epoch, its seeds, a data plan's state, and for a stream where its shard
+resumes), then ``TaskMsg``
 after ``TaskMsg``; the worker answers each with one ``Result``, and sends ``Started`` when it
 begins a task out of arrival order (a re-sent task overtaking queued ones). ``Stop`` ends it.
 
@@ -49,13 +50,17 @@ class StreamResume(NamedTuple):
 
 class Epoch(NamedTuple):
     """Serve epoch ``epoch`` (generation ``gen`` stamps its messages) under ``base_seed``;
-    ``sample_seed`` for ``seed_per_sample``, else None; ``resume``: a stream's position."""
+    ``sample_seed`` for ``seed_per_sample``, else None; ``resume``: a stream's position;
+    ``plan``: a ``Mixture`` dataset's plan (its ``state_dict()`` as the main process held it at
+    ``iter()``, which the loader's state saves), else None. A worker's copy of the dataset is
+    as old as the worker: with persistent workers, the plan reaches it only here."""
 
     gen: int
     epoch: int
     base_seed: int
     resume: StreamResume | None
     sample_seed: int | None
+    plan: dict[str, Any] | None = None
 
 
 class TaskMsg(NamedTuple):

@@ -186,3 +186,33 @@ def _position(state: Any, what: str) -> int:
             f"cannot load {what} state: {_YIELDED}: expected an int >= 0, got {at!r:.40}"
         )
     return at
+
+
+# ---- an epoch's order, named in plain data --------------------------------------------------
+# A data plan that changed its weights inside a shuffled epoch keys the rest of that epoch by
+# each sample's place in the epoch's order (see ``_mixture``). It names the order in its state,
+# so that a worker, a resumed job and an uninterrupted reference all compute the same one.
+ORDER_RANDOM = "random"  # ours or torch's RandomSampler, without replacement, one pass
+ORDER_DISTRIBUTED = "distributed"  # torch's DistributedSampler(shuffle=True): before its cut
+
+
+def check_order(spec: Any) -> str | None:
+    """What is wrong with an order's plain-data name, or None."""
+    if not isinstance(spec, dict) or spec.get("kind") not in (ORDER_RANDOM, ORDER_DISTRIBUTED):
+        return f"expected {{'kind': 'random' or 'distributed', ...}}, got {spec!r:.80}"
+    want = {"kind", "seed"} | ({"epoch"} if spec["kind"] == ORDER_DISTRIBUTED else set())
+    if set(spec) != want or any(type(spec[k]) is not int or spec[k] < 0 for k in want - {"kind"}):
+        return f"expected the keys {sorted(want)} (ints >= 0), got {spec!r:.80}"
+    return None
+
+
+def order_of(spec: dict[str, Any], n: int) -> np.ndarray:
+    """The order of ``range(n)`` that ``spec`` names: ``{"kind": "random", "seed": s}`` is
+    ``shuffle_order(n, n, False, s)`` (the loader's epoch seed ``s``);
+    ``{"kind": "distributed", "seed": s, "epoch": e}`` is torch's ``DistributedSampler`` order
+    of its epoch ``e`` under its seed ``s`` (before torch pads or trims it for the ranks)."""
+    if spec["kind"] == ORDER_RANDOM:
+        return shuffle_order(n, n, False, spec["seed"])
+    g = torch.Generator()
+    g.manual_seed(spec["seed"] + spec["epoch"])  # as DistributedSampler.__iter__ seeds it
+    return torch.randperm(n, generator=g).numpy()

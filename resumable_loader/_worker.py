@@ -848,8 +848,9 @@ class _WorkerLoop:
                 self._seeds = self._seeds_for(self.base)
                 if isinstance(self.fetcher, MapFetcher):
                     self.fetcher.sample_seed = msg.sample_seed
-                    # A persistent worker's copy of a data plan learns the epoch here.
-                    follow_epoch(self.spec_dataset, msg.epoch)
+                    # A worker's copy of a data plan is as old as the worker: the epoch and
+                    # the plan it serves are the main process's, as its state saves them.
+                    follow_epoch(self.spec_dataset, msg.epoch, msg.plan)
                 elif not self._start_stream(msg.resume):
                     return False
             else:  # Stop

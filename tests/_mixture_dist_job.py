@@ -7,7 +7,7 @@ with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or by 
 then all save the loader with torch.distributed.checkpoint into CKPT and stop. ``resume``
 (any number of ranks, batch 3, weights a:1 b:3): every rank loads CKPT with DCP, runs to the end
 of epoch 1, then runs epoch 2 whole. Each rank writes the (position, value) pairs it consumed,
-as json, to OUT/PHASE-rank<r>.json.
+and after a resume the Mixture's plan, as json, to OUT/PHASE-rank<r>.json.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
         dcp.save({"loader": loader}, checkpoint_id=ckpt)
     else:
         dcp.load({"loader": loader}, checkpoint_id=ckpt)
+        got["plan"] = mix.state_dict()  # as the resume made it: the test's reference runs it
         got["1"] = pairs(loader)
         sampler.set_epoch(2)
         got["2"] = pairs(loader)

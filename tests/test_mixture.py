@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from resumable_loader import CheckpointError, DataLoader, Mixture
+from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
+from resumable_loader.__main__ import main as cli_main
 from resumable_loader._mixture import _permute
 from resumable_loader.testing import check_resume, roundtrip_state
 
@@ -435,7 +436,9 @@ def test_changed_sources_are_refused_naming_what_changed() -> None:
     [
         (lambda sd: sd.pop("weights"), "missing keys ['weights']"),
         (lambda sd: sd.update(kind="loader"), "kind is 'loader'"),
-        (lambda sd: sd.update(version=2), "version 2"),
+        (lambda sd: sd.update(version=3), "version 3"),
+        (lambda sd: sd.update(rests=[]), "'rests' is []"),  # a version-1 plan has none
+        (lambda sd: sd.update(version=2, rests=[{"epoch": 0}]), "rests[0] is"),
         (lambda sd: sd.update(seed=-1), "seed must be in"),
         (lambda sd: sd.update(weights=[]), "non-empty list"),
         (lambda sd: sd["weights"][0].update({"from": 3}), "start at 0"),
@@ -560,3 +563,263 @@ def test_a_state_refused_after_the_plan_check_leaves_the_mixture_unchanged() -> 
     with pytest.raises(CheckpointError, match="sampler_generator"):
         resumed.load_state_dict(sd)
     assert (mix.history, resumed.state_dict()) == before
+
+
+# ---- the plan reaches the workers (issue #31 item 2) ------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+def test_weights_set_before_iter_reach_persistent_workers_and_the_resume(workers: int) -> None:
+    # Epoch 1 under weights set between the epochs: persistent workers got the dataset when
+    # they started (epoch 0), and must serve epoch 1 from the plan the main process holds --
+    # the one its state saves, so that a resume inside epoch 1 continues the same stream.
+    def loader(mix: Mixture) -> DataLoader:
+        return DataLoader(mix, batch_size=4, num_workers=workers, persistent_workers=workers > 0)
+
+    n, k = len(_mix({"a": 1, "b": 1})), 2
+    reference = _mix({"a": 1, "b": 1})
+    reference.set_weights({"a": 1, "b": 3}, from_position=n)
+    reference.set_epoch(1)
+    want = [reference[i] for i in range(n)]  # epoch 1, read straight from the plan
+
+    mix = _mix({"a": 1, "b": 1})
+    first = loader(mix)
+    for _ in first:  # epoch 0 starts the persistent workers
+        pass
+    mix.set_weights({"a": 1, "b": 3}, from_position=n)
+    it = iter(first)
+    got = [int(x) for _ in range(k) for x in next(it)]
+    sd = first.state_dict()
+    got += [int(x) for b in it for x in b]
+    first.close()
+    assert got == want, "epoch 1 must follow the weights set before its iter()"
+    assert sd["data_plan"]["weights"][-1] == {"from": n, "weights": {"a": 1, "b": 3}}
+
+    resumed = loader(_mix({"a": 1, "b": 3}))  # the plan's newest weights: nothing new
+    resumed.load_state_dict(sd)
+    rest = [int(x) for b in resumed for x in b]
+    resumed.close()
+    assert rest == want[4 * k :]
+
+
+def test_a_weights_change_inside_an_epoch_its_workers_serve_is_refused() -> None:
+    # The workers hold the epoch's plan from iter() on: a change inside that epoch would reach
+    # the state but not them. From the next epoch on it reaches them with that epoch.
+    mix = _mix({"a": 1, "b": 1})
+    n = len(mix)
+    with DataLoader(mix, batch_size=4, num_workers=2, persistent_workers=True) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(ValueError, match=f"workers serve the epoch up to position {n}"):
+            mix.set_weights({"a": 0, "b": 1}, from_position=n - 1)
+        assert mix.history == [(0, {"a": 1, "b": 1})]
+        mix.set_weights({"a": 0, "b": 1}, from_position=n)
+        first = [int(x) for b in it for x in b]
+        second = [int(x) for b in loader for x in b]
+    assert any(x < 100 for x in first)  # epoch 0 keeps "a"
+    assert second and all(x >= 100 for x in second)  # epoch 1: "b" alone
+
+
+# ---- new weights for the rest of a shuffled epoch (issue #31 item 5) --------------------------
+class Where(Mixture):
+    """A Mixture whose items say which position they are: ``(position, item)``."""
+
+    def __getitem__(self, index: int) -> Any:
+        return index, super().__getitem__(index)
+
+
+SHUFFLED = {"a": 40, "b": 40, "c": 20}  # weights = lengths: one pass of each per epoch
+
+
+def where(weights: dict[str, int], **kw: Any) -> Where:
+    return Where(tagged(SHUFFLED), weights, seed=11, **kw)
+
+
+def pairs(loader: Any) -> list[tuple[int, str]]:
+    return [(int(p), v) for pos, vals in loader for p, v in zip(pos.tolist(), vals)]
+
+
+def check_the_rest(before: list[Any], after: list[Any], n: int) -> None:
+    """Every position of the epoch exactly once; "c" (weight 0 now) never after the resume;
+    no item of a source twice on either side (each side lies within one pass of it); and the
+    rest split by the new weights 1:1 (within the stratification bound)."""
+    assert sorted(p for p, _ in before + after) == list(range(n))
+    sources = Counter(v.split("/")[0] for _, v in after)
+    assert sources["c"] == 0, f"a source weighted 0 delivered {sources['c']} after the resume"
+    assert abs(sources["a"] - sources["b"]) <= 2
+    for side in (before, after):
+        items = [v for _, v in side]
+        assert len(set(items)) == len(items), "an item of a source came twice in one pass"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_new_weights_at_a_resume_govern_the_rest_of_a_shuffled_epoch(
+    workers: int, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def loader(mix: Mixture) -> DataLoader:
+        return DataLoader(
+            mix,
+            batch_size=4,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(5),
+        )
+
+    n, k = len(where(SHUFFLED)), 6  # 24 consumed: the rest fits in one pass of "a" and "b"
+    first = loader(where(SHUFFLED))
+    it = iter(first)
+    before = [pair for _ in range(k) for pair in pairs([next(it)])]
+    sd = json.loads(json.dumps(first.state_dict()))
+    del it
+    first.close()
+
+    mix = where({"a": 1, "b": 1, "c": 0})
+    resumed = loader(mix)
+    resumed.load_state_dict(sd)
+    at_load = resumed.state_dict()
+    after = pairs(resumed)
+    assert pairs(resumed) != [], "the next epoch follows"
+    resumed.close()
+    check_the_rest(before, after, n)
+    # A checkpoint taken before the first batch holds the plan as loaded, new weights included.
+    loaded, now = at_load["data_plan"], mix.state_dict()
+    assert (loaded["weights"], loaded["rests"]) == (now["weights"], now["rests"])
+    # ... and `inspect` shows the change inside the epoch.
+    torch.save(at_load, tmp_path / "ckpt.pt")
+    assert cli_main(["inspect", str(tmp_path / "ckpt.pt")]) == 0
+    assert "and {'a': 1, 'b': 1, 'c': 0} from place 24 of epoch 0's" in capsys.readouterr().out
+
+    # The reference: an uninterrupted run of the same job under the plan the resume made,
+    # from the epoch's first sample. It must deliver what the interrupted run delivered, then
+    # what the resumed one did: the new weights govern the samples after the resume point in
+    # the order they are delivered, not positions.
+    plan = mix.state_dict()
+    assert [r["from"] for r in plan["rests"]] == [4 * k]
+    ref_mix = where({"a": 1, "b": 1, "c": 0})
+    ref_mix.load_state_dict(plan)
+    with loader(ref_mix) as ref:
+        assert pairs(ref) == before + after
+
+
+def test_two_weight_changes_in_one_shuffled_epoch_compose() -> None:
+    # Resumed with new weights, then resumed again in the same epoch with newer ones: each
+    # change governs what is delivered after it, and the plan holds both.
+    def loader(mix: Mixture) -> DataLoader:
+        return DataLoader(
+            mix, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+        )
+
+    first = loader(where(SHUFFLED))
+    it = iter(first)
+    before = [pair for _ in range(6) for pair in pairs([next(it)])]
+    sd = json.loads(json.dumps(first.state_dict()))
+    del it
+    middle_loader = loader(where({"a": 1, "b": 1, "c": 0}))
+    middle_loader.load_state_dict(sd)
+    it = iter(middle_loader)
+    middle = [pair for _ in range(3) for pair in pairs([next(it)])]
+    sd = json.loads(json.dumps(middle_loader.state_dict()))
+    del it
+    mix = where({"a": 0, "b": 1, "c": 1})
+    last = loader(mix)
+    last.load_state_dict(sd)
+    after = pairs(last)
+    for done in (first, middle_loader, last):
+        done.close()
+
+    assert sorted(p for p, _ in before + middle + after) == list(range(len(mix)))
+    assert not [v for _, v in middle if v.startswith("c")]
+    assert not [v for _, v in after if v.startswith("a")]
+    assert [r["from"] for r in mix.state_dict()["rests"]] == [24, 36]
+    ref_mix = where({"a": 0, "b": 1, "c": 1})
+    ref_mix.load_state_dict(mix.state_dict())
+    with loader(ref_mix) as ref:
+        assert pairs(ref) == before + middle + after
+
+
+@pytest.mark.parametrize(("steps", "world"), [((2, 2), 3), ((2, 1), 1)])
+def test_new_weights_at_a_resume_of_a_distributed_shuffled_epoch(
+    steps: tuple[int, int], world: int
+) -> None:
+    # Simulated ranks: 2 ranks stop after ``steps`` batches of 7, their states merged; ``world``
+    # ranks resume with new weights (what is left makes even shares: no padding). Compared with
+    # an uninterrupted 2-rank run under the resumed plan.
+    n = len(where(SHUFFLED))
+
+    before, states = [], []
+    for r in range(2):
+        mix = where(SHUFFLED)
+        sampler = DistributedSampler(mix, 2, r, seed=7)
+        sampler.set_epoch(3)
+        loader = DataLoader(mix, batch_size=7, sampler=sampler)
+        it = iter(loader)
+        before += [pair for _ in range(steps[r]) for pair in pairs([next(it)])]
+        states.append(loader.state_dict())
+        del it
+        loader.close()
+    merged = json.loads(json.dumps(merge_rank_states(states)))
+
+    mixes = [where({"a": 1, "b": 1, "c": 0}) for _ in range(world)]
+    after = []
+    # Ranks out of step (rank 1 a batch behind) leave rank 1's places 15, 17, ..., 25 of the
+    # order unconsumed before rank 0's last one (26): those keep the old weights, and the load
+    # says how many.
+    behind = 6 if steps[0] > steps[1] else 0
+    for r, m in enumerate(mixes):
+        loader = DataLoader(m, batch_size=2, sampler=DistributedSampler(m, world, r, seed=7))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader.load_state_dict(merged)  # sets the sampler's epoch: the state's
+        notes = [str(w.message) for w in caught if "checkpoint's weights" in str(w.message)]
+        assert len(notes) == (1 if behind else 0)
+        assert all(f"; {behind} samples before it were not consumed" in t for t in notes)
+        after += pairs(loader)
+        loader.close()
+    plans = [m.state_dict() for m in mixes]
+    assert all(p == plans[0] for p in plans), "every rank computes the same plan"
+
+    # The samples behind: those before the last consumed place of the epoch's order (torch's,
+    # read from a sampler of one rank). They keep the old weights; the rest follows the new.
+    order = DistributedSampler(where(SHUFFLED), 1, 0, seed=7)
+    order.set_epoch(3)
+    place = {p: i for i, p in enumerate(order)}
+    top = max(place[p] for p, _ in before)
+    kept = [(p, v) for p, v in after if place[p] < top]
+    assert len(kept) == behind
+    old = where(SHUFFLED)
+    assert all(old[p] == (p, v) for p, v in kept)
+    check_the_rest(before + kept, [x for x in after if place[x[0]] > top], n)
+
+    reference: dict[int, str] = {}
+    for r in range(2):
+        ref_mix = where({"a": 1, "b": 1, "c": 0})
+        ref_mix.load_state_dict(plans[0])
+        sampler = DistributedSampler(ref_mix, 2, r, seed=7)
+        sampler.set_epoch(3)
+        with DataLoader(ref_mix, batch_size=7, sampler=sampler) as ref:
+            reference.update(pairs(ref))
+    assert dict(before + after) == reference
+
+
+def test_new_weights_inside_an_epoch_whose_order_is_unknown_are_refused() -> None:
+    # A sampler drawing with replacement has no "rest of the epoch" to give new weights to:
+    # the load is refused (not deferred to the next epoch), naming why and what to do.
+    def loader(mix: Mixture) -> DataLoader:
+        sampler = torch.utils.data.RandomSampler(mix, replacement=True)
+        return DataLoader(mix, batch_size=4, sampler=sampler)
+
+    first = loader(where(SHUFFLED))
+    it = iter(first)
+    next(it)
+    sd = first.state_dict()
+    del it
+    first.close()
+    mix = where({"a": 1, "b": 1, "c": 0})
+    resumed = loader(mix)
+    before = (mix.state_dict(), resumed.state_dict())
+    with pytest.raises(CheckpointError, match="with replacement") as info:
+        resumed.load_state_dict(sd)
+    assert "set_weights(new_weights, from_position=(epoch + 1) * len(mix))" in str(info.value)
+    assert (mix.state_dict(), resumed.state_dict()) == before
+    resumed.close()
+    with loader(where(SHUFFLED)) as same:  # the checkpoint's weights: resumes
+        same.load_state_dict(sd)
+        assert len(pairs(same)) == len(where(SHUFFLED)) - 4
