@@ -7,6 +7,11 @@ comment on the line before its fence, so a doc writer sees it next to the code:
 * no comment, or ``<!-- docs-test: run [prelude=NAME] -->``: the block runs once in a fresh
   namespace with a temporary directory as cwd, after ``PRELUDES[NAME]`` if one is named (the
   names a fragment takes from the text around it: a saved state, an old checkpoint).
+* ``<!-- docs-test: run check-resume[=NAME] -->``: the block makes a resumable thing (a
+  sampler, a stream) and ``loader`` over it (``LOADERS[NAME]`` builds that loader where the
+  page leaves it to the reader). ``resumable_loader.testing.check_resume`` then checks that
+  a state taken at every batch, every epoch end included, sent through ``dump_state``,
+  resumes a new loader (the block run again) exactly, with and without workers.
 * ``<!-- docs-test: skip (why) -->``: not run; the reason is the skip's reason.
 * ``<!-- docs-test: resume [options] -->``: the block is a resume recipe, run as a job that is
   interrupted and resumed. First once uninterrupted: the reference, every batch ``train_step``
@@ -110,6 +115,15 @@ next(iter(old))
 ckpt = {"loader": old.state_dict()}
 loader = DataLoader(dataset, batch_size=BATCH)
 """,
+}
+
+# Loaders over a page's classes, where the page leaves building one to the reader.
+LOADERS = {
+    # docs/stateful.md's streams, sharded over the workers by the class itself.
+    "lines": "loader = DataLoader(Lines(LINES), batch_size=BATCH, num_workers=NUM_WORKERS)",
+    "fresh-lines": (
+        "loader = DataLoader(FreshLines(LINES), batch_size=BATCH, num_workers=NUM_WORKERS)"
+    ),
 }
 
 # Blocks known to be wrong, for a reason tracked elsewhere: xfail(strict=True), so that the
@@ -314,6 +328,7 @@ def _namespace(job: _Job) -> dict[str, Any]:
         "DataLoader": DataLoader,
         "save_checkpoint": save_checkpoint,
         "BATCH": BATCH,
+        "LINES": [f"line {i}" for i in range(DATASET_LEN)],
         "NUM_WORKERS": NUM_WORKERS,
         "dataset": _Numbers(DATASET_LEN),
         "web_ds": _Numbers(6, 100),
@@ -432,6 +447,31 @@ def _run(block: Block, directory: Path, job: _Job, options: set[str], prelude: s
     return job
 
 
+def _check_loader_resumes(block: Block, tmp_path: Path, options: set[str]) -> None:
+    from resumable_loader.testing import check_resume
+
+    code = _compile(block)
+    names = [o.partition("=")[2] for o in options if o.startswith("check-resume=")]
+    build = LOADERS[names[0]] if names else ""
+    for workers in (0, NUM_WORKERS):
+
+        def make_loader(workers: int = workers) -> Any:
+            ns = _namespace(_Job())
+            ns["NUM_WORKERS"] = workers
+            torch.manual_seed(0)  # the same job each time: a script's seed, at its top
+            exec(code, ns)
+            exec(build, ns)
+            return ns["loader"]
+
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            checked = check_resume(make_loader, epochs=EPOCHS, via="bytes")
+        finally:
+            os.chdir(cwd)
+        assert checked >= 2 * 2, f"{block.where}: only {checked} save points"
+
+
 def _check_resumes(block: Block, tmp_path: Path, options: set[str], prelude: str) -> None:
     reference = _run(block, tmp_path / "reference", _Job(), options, prelude).log
     total = len(reference)
@@ -507,7 +547,10 @@ def test_doc_block(block: Block, tmp_path: Path) -> None:
         _check_resumes(block, tmp_path, options, prelude)
     else:
         assert verb in {"", "run"}, f"{block.where}: unknown docs-test comment {block.marker!r}"
-        _run(block, tmp_path, _Job(), options, prelude)
+        if any(o.partition("=")[0] == "check-resume" for o in options):
+            _check_loader_resumes(block, tmp_path, options)
+        else:
+            _run(block, tmp_path, _Job(), options, prelude)
 
 
 def test_every_page_is_read_and_every_marker_is_known() -> None:
