@@ -118,6 +118,61 @@ def samples_taken(tasks: int, share: int, batch_size: int | None) -> int:
     return min(share, tasks * (batch_size or 1))
 
 
+# ---- between two epochs ---------------------------------------------------------------------
+# The script, not the loader, sets a DistributedSampler's epoch. A state between two epochs
+# says which epoch comes next as a script that calls ``set_epoch(epoch)`` before each epoch
+# sets it -- the documented recipe reads ``state["distributed"]["sampler_epoch"]`` -- so right
+# after an epoch's end it is the one after, as ``state["epoch"]`` is. ``ended`` records that
+# the sampler itself still holds the epoch that ended: a load puts that back, so a script that
+# never calls ``set_epoch()`` goes on iterating the same epoch, as it did uninterrupted.
+def next_sampler_epoch(current: int, ended: int | None) -> tuple[int, bool]:
+    """``(sampler_epoch, ended)`` of a state between two epochs: ``current`` is the
+    sampler's epoch now; ``ended`` the sampler epoch that was just delivered to its end (None:
+    none was, since the loader was built or loaded)."""
+    if ended is not None and current == ended:
+        return current + 1, True
+    # set_epoch() already chose the next one (or no epoch ran): that is what comes next.
+    return current, False
+
+
+def begun(rp: Any) -> bool:
+    """Whether the position is inside an epoch (its seed drawn, or something consumed)."""
+    return rp.seed is not None or bool(rp.consumed or rp.ahead or rp.history)
+
+
+def settle(rp: Any) -> None:
+    """Check ``ended`` of a state read, and give states written before it was recorded one.
+
+    Those wrote the sampler's own epoch between epochs: right after an epoch's end, the one
+    that ended, so the recipe trained it again. With ``set_epoch(epoch)`` per epoch from 0, as
+    the docs' recipe does, that state's ``epoch`` (the loader's count of epochs) is one more
+    than its sampler epoch; a state taken after ``set_epoch()`` chose the next epoch has the
+    two equal. The first is read as "ended" and says the next epoch, as a state written now
+    does. (A script numbering its epochs otherwise cannot be told apart: its old state reads as
+    it did.)
+
+    Raises:
+        CheckpointError: ``ended`` in a state inside an epoch, or with sampler epoch 0.
+    """
+    if not rp.distributed:
+        return
+    if rp.ended is None:
+        rp.ended = not begun(rp) and rp.epoch >= 1 and rp.sampler_epoch == rp.epoch - 1
+        if rp.ended:
+            rp.sampler_epoch += 1
+    elif rp.ended and (begun(rp) or rp.sampler_epoch < 1):
+        raise CheckpointError(
+            "cannot load DataLoader state: distributed.ended: true, but the state is inside an "
+            f"epoch or says sampler epoch {rp.sampler_epoch} comes next (after an epoch's end "
+            "it is one after the epoch that ended). The state is damaged."
+        )
+
+
+def sampler_epoch_now(rp: Any) -> int:
+    """The epoch a DistributedSampler held when ``rp`` was taken (a load sets it back)."""
+    return rp.sampler_epoch - 1 if rp.ended else rp.sampler_epoch
+
+
 # ---- re-cut for another world size ---------------------------------------------------------
 def recut(points: list[Any], plan: Any) -> Any:
     """This rank's resume point, from the positions of every rank of a job with another world
@@ -133,6 +188,8 @@ def recut(points: list[Any], plan: Any) -> Any:
 
     world = len(points)
     sampler = plan.sampler
+    for p in points:
+        settle(p)
     if any(p.ahead for p in points):
         raise CheckpointError(
             "cannot load DataLoader state: delivered_ahead: the checkpoint was taken with "
@@ -160,6 +217,7 @@ def recut(points: list[Any], plan: Any) -> Any:
             epoch=epoch,
             distributed=True,
             sampler_epoch=points[0].sampler_epoch,
+            ended=points[0].ended,
             skipped=skipped,
             **common,
         )

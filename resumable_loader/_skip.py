@@ -279,7 +279,7 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
         new[S.K_SEED] = derive_seed(
             DIST_SEED, sampler_seed, ref.sampler_epoch, len(history), world, r
         )
-        new[S.K_DIST] = {"sampler_epoch": ref.sampler_epoch, "history": history}
+        new[S.K_DIST] = {"sampler_epoch": ref.sampler_epoch, "history": history, "ended": False}
         new[S.K_SKIPPED_SAMPLES] = [*p.skipped_samples, record]
         out.append(new)
     return out
