@@ -889,7 +889,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         ]
         for p in points:
             self._refuse_batch_sampler(p)
-        rp: S.ResumePoint = D.recut(points, self._plan)
+        rp: S.ResumePoint = D.recut(
+            points, self._plan, self.batch_size if self._auto_collation else None, self.drop_last
+        )
         # A fresh level: nothing of it consumed yet.
         rp.batch, rp.batch_sampler = self.batch_size, self._user_batches
         if rp.history:
