@@ -577,7 +577,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             if self._delivered_to_its_end(rp):
                 # Only StopIteration is left of this epoch: say so as the state after it does,
                 # so a resume (and a trainer counting epochs, such as Lightning) starts the
-                # next epoch -- torchdata's StatefulDataLoader does the same.
+                # next epoch. torchdata's StatefulDataLoader resumes into the epoch's empty
+                # rest instead (docs/guarantees.md, "An epoch's end, here and in torchdata").
                 rp = self._epoch_start(rp.epoch + 1)
                 ended = self._plan.dist_position[0]
         else:
