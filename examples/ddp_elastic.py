@@ -92,6 +92,8 @@ def main() -> None:
     os.makedirs(ledger, exist_ok=True)
     dist.barrier()
 
+    # The sampler epoch to train next: the interrupted one, or the one after an epoch that a
+    # checkpoint at its last batch saw end (docs/distributed.md).
     start_epoch = loader.state_dict()["distributed"]["sampler_epoch"]
     seen: list[tuple[int, int]] = []  # (epoch, sample id) since the last checkpoint
     for epoch in range(start_epoch, EPOCHS):

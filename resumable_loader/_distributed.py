@@ -14,8 +14,10 @@ level left unconsumed -- every position of the previous cut, minus those each ra
 (each rank's own count: ranks out of step are honoured, not rounded), minus the padding (those
 samples were repeats) -- in order, and W' ranks cut it as torch cuts an epoch. The state keeps
 the levels' history ``[[W, [samples consumed by each rank]], ...]``, so any number of resizes in
-one epoch compose. The only samples repeated or dropped are those torch's own rule gives at the
-end of the remaining sequence (fewer than W'), and the resume warns with their number.
+one epoch compose. The only samples repeated or dropped beyond what the uninterrupted run
+repeats or drops (``drop_last``: the first cut's trimmed tail; ``DataLoader(drop_last=True)``:
+incomplete last batches) are those torch's own rule gives at the end of the remaining sequence
+(fewer than W'); the resume then warns with the epoch's whole account (``epoch_account``).
 
 **Global state.** ``dcp.save`` calls ``state_dict()`` on every rank and keeps one copy of each
 key; ``dcp.load`` asks ``state_dict()`` for the keys to read. So inside DCP the loader returns
@@ -118,12 +120,68 @@ def samples_taken(tasks: int, share: int, batch_size: int | None) -> int:
     return min(share, tasks * (batch_size or 1))
 
 
+# ---- between two epochs ---------------------------------------------------------------------
+# The script, not the loader, sets a DistributedSampler's epoch. A state between two epochs
+# says which epoch comes next as a script that calls ``set_epoch(epoch)`` before each epoch
+# sets it -- the documented recipe reads ``state["distributed"]["sampler_epoch"]`` -- so right
+# after an epoch's end it is the one after, as ``state["epoch"]`` is. ``ended`` records that
+# the sampler itself still holds the epoch that ended: a load puts that back, so a script that
+# never calls ``set_epoch()`` goes on iterating the same epoch, as it did uninterrupted.
+def next_sampler_epoch(current: int, ended: int | None) -> tuple[int, bool]:
+    """``(sampler_epoch, ended)`` of a state between two epochs: ``current`` is the
+    sampler's epoch now; ``ended`` the sampler epoch that was just delivered to its end (None:
+    none was, since the loader was built or loaded)."""
+    if ended is not None and current == ended:
+        return current + 1, True
+    # set_epoch() already chose the next one (or no epoch ran): that is what comes next.
+    return current, False
+
+
+def begun(rp: Any) -> bool:
+    """Whether the position is inside an epoch (its seed drawn, or something consumed)."""
+    return rp.seed is not None or bool(rp.consumed or rp.ahead or rp.history)
+
+
+def settle(rp: Any) -> None:
+    """Check ``ended`` of a state read, and give states written before it was recorded one.
+
+    Those wrote the sampler's own epoch between epochs: right after an epoch's end, the one
+    that ended, so the recipe trained it again. With ``set_epoch(epoch)`` per epoch from 0, as
+    the docs' recipe does, that state's ``epoch`` (the loader's count of epochs) is one more
+    than its sampler epoch; a state taken after ``set_epoch()`` chose the next epoch has the
+    two equal. The first is read as "ended" and says the next epoch, as a state written now
+    does. (A script numbering its epochs otherwise cannot be told apart: its old state reads as
+    it did.)
+
+    Raises:
+        CheckpointError: ``ended`` in a state inside an epoch, or with sampler epoch 0.
+    """
+    if not rp.distributed:
+        return
+    if rp.ended is None:
+        rp.ended = not begun(rp) and rp.epoch >= 1 and rp.sampler_epoch == rp.epoch - 1
+        if rp.ended:
+            rp.sampler_epoch += 1
+    elif rp.ended and (begun(rp) or rp.sampler_epoch < 1):
+        raise CheckpointError(
+            "cannot load DataLoader state: distributed.ended: true, but the state is inside an "
+            f"epoch or says sampler epoch {rp.sampler_epoch} comes next (after an epoch's end "
+            "it is one after the epoch that ended). The state is damaged."
+        )
+
+
+def sampler_epoch_now(rp: Any) -> int:
+    """The epoch a DistributedSampler held when ``rp`` was taken (a load sets it back)."""
+    return rp.sampler_epoch - 1 if rp.ended else rp.sampler_epoch
+
+
 # ---- re-cut for another world size ---------------------------------------------------------
-def recut(points: list[Any], plan: Any) -> Any:
+def recut(points: list[Any], plan: Any, batch: int | None, batch_drop: bool) -> Any:
     """This rank's resume point, from the positions of every rank of a job with another world
     size or batch size (``points[r]`` is rank r's validated ``ResumePoint``; its ``batch`` is
     the batch size its ``consumed`` counts in). The new level starts with nothing consumed,
-    so this loader cuts it with its own batch size.
+    so this loader cuts it with its own batch size ``batch`` (None: no batching) and
+    ``drop_last`` (``batch_drop``), which the warning's count of what is dropped needs.
 
     Raises:
         CheckpointError: what cannot be continued exactly (in_order=False positions, ranks in
@@ -133,6 +191,8 @@ def recut(points: list[Any], plan: Any) -> Any:
 
     world = len(points)
     sampler = plan.sampler
+    for p in points:
+        settle(p)
     if any(p.ahead for p in points):
         raise CheckpointError(
             "cannot load DataLoader state: delivered_ahead: the checkpoint was taken with "
@@ -160,6 +220,7 @@ def recut(points: list[Any], plan: Any) -> Any:
             epoch=epoch,
             distributed=True,
             sampler_epoch=points[0].sampler_epoch,
+            ended=points[0].ended,
             skipped=skipped,
             **common,
         )
@@ -178,8 +239,21 @@ def recut(points: list[Any], plan: Any) -> Any:
     # A level no rank took anything of (a skip's, or a re-cut's before iter()) is not one:
     # with drop_last its tail would be trimmed to the old world size, dropping samples.
     history = [*ref.history, [world, taken]] if any(taken) else list(ref.history)
-    left = len(remaining(seq, world, taken, sampler.drop_last)) if any(taken) else len(seq)
-    _warn_uneven(left, sampler.num_replicas, sampler.drop_last)
+    # What each rank of the closed level delivered: a rank at its share's end counts as having
+    # taken all of it, but DataLoader(drop_last=True) dropped its incomplete last batch.
+    delivered_now = [
+        kept(t, p.per_task(), batch_drop) if p.epoch != epoch else t for t, p in zip(taken, points)
+    ]
+    levels: list[Level] = [(w, list(c), list(c)) for w, c in ref.history]
+    if any(taken):
+        levels.append((world, taken, delivered_now))
+    _warn_uneven(
+        total=len(sampler.dataset),
+        levels=levels,
+        world=sampler.num_replicas,
+        drop_last=sampler.drop_last,
+        batch=(batch, batch_drop),
+    )
     return ResumePoint(
         seed=None,
         epoch=epoch,
@@ -191,7 +265,56 @@ def recut(points: list[Any], plan: Any) -> Any:
     )
 
 
-def _warn_uneven(left: int, world: int, drop_last: bool) -> None:
+def delivered(length: int, world: int, counts: list[int]) -> tuple[int, int]:
+    """``(real, repeats)``: of the samples each rank r delivered -- the first ``counts[r]`` of
+    its share of torch's cut of a level of ``length`` for ``world`` ranks -- how many are
+    samples of the level, and how many are padding (repeats of its head)."""
+    real = sum(
+        min(c, max(0, -(-(length - r) // world))) for r, c in enumerate(counts) if r < length
+    )
+    return real, sum(counts) - real
+
+
+def kept(share: int, batch: int | None, batch_drop: bool) -> int:
+    """Samples of a share of ``share`` a rank delivers: ``DataLoader(drop_last=True)`` drops an
+    incomplete last batch."""
+    return share // batch * batch if batch_drop and batch else share
+
+
+Level = tuple[int, list[int], list[int]]  # world size, samples each rank took, delivered
+
+
+def epoch_account(
+    n: int, levels: list[Level], world: int, drop_last: bool, batch: Any
+) -> tuple[int, int, int]:
+    """``(missed, repeated, left)`` of an epoch of ``n`` samples: its earlier ``levels``, then
+    the rest (``left`` samples) cut for ``world`` ranks, each delivering its share as ``batch``
+    (batch size, drop_last) cuts it. Nothing is delivered twice but padding (a level's rest
+    excludes what was taken), so the samples missed are those no level delivered."""
+    real = repeated = 0
+    length = n
+    for w, taken, counts in levels:
+        r, p = delivered(length, w, counts)
+        real, repeated = real + r, repeated + p
+        length = remaining_length(length, w, taken, drop_last)
+    share = cut_length(length, world, drop_last) // world
+    r, p = delivered(length, world, [kept(share, *batch)] * world)
+    return n - real - r, repeated + p, length
+
+
+def _warn_uneven(
+    *,
+    total: int,
+    levels: list[Level],
+    world: int,
+    drop_last: bool,
+    batch: tuple[int | None, bool],
+) -> None:
+    """Warn when the re-cut of what the epoch's ``levels`` left, for ``world`` ranks, repeats
+    or drops samples (torch's rule for an epoch's end), with the epoch's whole account: what
+    earlier cuts trimmed, what incomplete last batches dropped, and what an uninterrupted run
+    would have left out."""
+    missed, repeated, left = epoch_account(total, levels, world, drop_last, batch)
     extra = left % world
     if not extra:
         return
@@ -207,9 +330,32 @@ def _warn_uneven(left: int, world: int, drop_last: bool) -> None:
             f"{world - extra} of them are repeated to pad the last step (DistributedSampler("
             "drop_last=False)), as torch pads an epoch"
         )
+    here = extra if drop_last else 0
+    # Trimmed by the earlier cuts: every sample not taken there and not left.
+    taken = sum(sum(c) for _, c, _ in levels)
+    trimmed = total - left - taken if drop_last else 0
+    worlds = " then ".join(str(w) for w, _, _ in levels)
+    parts = [
+        f"{k} {why}"
+        for k, why in (
+            (here, "by this cut"),
+            (trimmed, f"by the epoch's cut for {worlds} ranks"),
+            (missed - here - trimmed, "in incomplete last batches (DataLoader(drop_last=True))"),
+        )
+        if k
+    ]
+    account = f"{total - missed} of the epoch's {total} samples are delivered"
+    if repeated:
+        account += f", {repeated} of them twice"
+    if missed:
+        account += f"; {missed} are not ({', '.join(parts)})"
+    first = levels[0][0] if levels else world
+    u_missed, u_repeated, _ = epoch_account(total, [], first, drop_last, batch)
+    unbroken = f"leaves out {u_missed}" + (f" and repeats {u_repeated}" if u_repeated else "")
     warnings.warn(
         f"resuming on {world} ranks: {left} samples of the epoch are left, not a multiple of "
-        f"{world}; {said}. Every other sample is delivered exactly once.",
+        f"{world}; {said}. In all, {account}; an uninterrupted run on {first} ranks (with "
+        f"this batch size) {unbroken}.",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -568,6 +568,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def _rank_state(self) -> dict[str, Any]:
         data = self._dataset_record()  # a broken fingerprint() fails every state_dict()
         cursor = self._cursor
+        ended: int | None = None  # DISTRIBUTED: the sampler epoch just delivered to its end
         if self._resume is not None:
             if self._resume.source is not None and not self._resume.dataset_changes:
                 sd = copy.deepcopy(self._resume.source)
@@ -591,16 +592,23 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             if self._delivered_to_its_end(rp):
                 # Only StopIteration is left of this epoch: say so as the state after it does,
                 # so a resume (and a trainer counting epochs, such as Lightning) starts the
-                # next epoch -- torchdata's StatefulDataLoader does the same.
+                # next epoch. torchdata's StatefulDataLoader resumes into the epoch's empty
+                # rest instead (docs/guarantees.md, "An epoch's end, here and in torchdata").
                 rp = self._epoch_start(rp.epoch + 1)
+                ended = self._plan.dist_position[0]
         else:
             rp = self._epoch_start(self._next_epoch)
+            if cursor is not None:  # after StopIteration
+                ended = self._plan.dist_position[0]
         if self._plan.kind == DISTRIBUTED:
             rp.distributed = True
             if rp.seed is not None:  # within an epoch: the sampler epoch and levels it uses
                 rp.sampler_epoch, rp.history = self._plan.dist_position
+                rp.ended = False
             else:
-                rp.sampler_epoch = self._plan.sampler.epoch
+                # Between epochs: the sampler epoch to set next -- after an epoch's end, the
+                # one after it, as `epoch` is the loader's next (see _distributed).
+                rp.sampler_epoch, rp.ended = D.next_sampler_epoch(self._plan.sampler.epoch, ended)
         rp.chain = None if self._plan.kind == DISTRIBUTED else self._chain.state()
         if isinstance(self.dataset, Mixture):
             rp.plan = self.dataset.state_dict()
@@ -697,6 +705,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         rp = S.ResumePoint.from_state(
             state_dict, self._config, stateful, dataset=data, dataset_change_ok=True
         )
+        D.settle(rp)
         same = self._same_batch(state_dict) and (rp.cut is None or self._plan.kind == BUILTIN)
         self._load_checked(rp, state_dict, policy, rebatch=not same)
 
@@ -896,7 +905,9 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         ]
         for p in points:
             self._refuse_batch_sampler(p)
-        rp: S.ResumePoint = D.recut(points, self._plan)
+        rp: S.ResumePoint = D.recut(
+            points, self._plan, self.batch_size if self._auto_collation else None, self.drop_last
+        )
         # A fresh level: nothing of it consumed yet.
         rp.batch, rp.batch_sampler = self.batch_size, self._user_batches
         if rp.history:
@@ -937,9 +948,14 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if rp.source is not None:
             # An older version read as this one (``S.UPGRADABLE``) is saved again as this one.
             rp.source[S.K_VERSION] = S.VERSION
+            if rp.distributed:  # and a state from before `ended`, as `settle` read it
+                rp.source[S.K_DIST] = rp.to_state(self._config)[S.K_DIST]
         if rp.distributed:
-            # Its epoch, as a script that calls set_epoch() before each epoch would set it.
-            self._plan.sampler.set_epoch(rp.sampler_epoch)
+            # The sampler's epoch as it was: inside an epoch, the one to continue (iter()
+            # refuses another); after an epoch's end, the one that ended, so that a script that
+            # never calls set_epoch() iterates it again as it did uninterrupted. The recipe's
+            # set_epoch(state's sampler_epoch) then moves on.
+            self._plan.sampler.set_epoch(D.sampler_epoch_now(rp))
         old = self._active()
         if old is not None:
             old.abandon("replaced by load_state_dict(): iterate the loader again to continue")

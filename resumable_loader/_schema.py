@@ -48,9 +48,15 @@ is json-able) and msgpack (``dump_state``). Keys:
     dataset               the data the state was taken on: {class, fingerprint} (its length is
                           config.dataset_len; see ``_fingerprint``). Absent in states written
                           before dataset checks: their class and fingerprint are not checked
-    distributed           torch's DistributedSampler only: {sampler_epoch, history}: the
-                          sampler's epoch being iterated, and the levels of resumes on another
-                          world size within it ([[world size, [samples each rank took]], ...])
+    distributed           torch's DistributedSampler only: {sampler_epoch, history, ended}:
+                          the sampler epoch the loader delivers next (inside an epoch, the one
+                          being iterated; between epochs, the one a script that calls
+                          ``set_epoch(epoch)`` per epoch sets next), the levels of resumes on
+                          another world size within it ([[world size, [samples each rank
+                          took]], ...]), and whether the state was taken right after epoch
+                          ``sampler_epoch - 1`` was delivered to its end, the sampler still set
+                          to it (absent in states written before it was recorded: see
+                          ``_distributed.settle``)
 """
 
 from __future__ import annotations
@@ -196,6 +202,9 @@ class ResumePoint:
     skipped: list[Any] = field(default_factory=list)
     sampler_epoch: int = 0
     history: list[Any] = field(default_factory=list)
+    # Whether epoch ``sampler_epoch - 1`` was just delivered to its end (the sampler still set
+    # to it); None: not said (a state written before it was recorded).
+    ended: bool | None = None
     plan: dict[str, Any] | None = None
     sampler_rng: str | None = None
     cut: Cut | None = None  # the rest of the epoch as positions (see ``_cursor``)
@@ -259,6 +268,7 @@ class ResumePoint:
             sd[K_DIST] = {
                 "sampler_epoch": self.sampler_epoch,
                 "history": [[w, list(c)] for w, c in self.history],
+                "ended": self.ended is True,
             }
         return sd
 
@@ -556,6 +566,7 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
         and type(d.get("sampler_epoch")) is int
         and 0 <= d["sampler_epoch"] < 2**62
         and isinstance(history, list)
+        and type(d.get("ended", False)) is bool
         and all(
             isinstance(h, list)
             and len(h) == 2
@@ -570,7 +581,8 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
     if not ok:
         raise _fail(
             K_DIST,
-            f"expected {{sampler_epoch: int, history: [[world size, [samples per rank]], ...]}}, "
+            "expected {sampler_epoch: int, history: [[world size, [samples per rank]], ...], "
+            f"ended: bool (optional)}}, "
             f"got {clip_repr(d)}",
             "the state is damaged",
         )
@@ -578,6 +590,7 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
     rp.distributed = True
     rp.sampler_epoch = d["sampler_epoch"]
     rp.history = [[w, list(c)] for w, c in history]
+    rp.ended = d.get("ended")
 
 
 def _check_header(sd: Any, config: dict[str, Any]) -> None:

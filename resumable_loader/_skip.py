@@ -286,9 +286,10 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
     started = [p for p in within if p.consumed or p.history]
     if not started:
         raise _fail(
-            "the job is between two epochs of its DistributedSampler, whose next epoch the "
-            "script sets (sampler.set_epoch()); the state does not say which it will be. Skip "
-            "from a state taken after the first step of the epoch."
+            "the job is between two epochs of its DistributedSampler, and a skip stays inside "
+            "the epoch the state is in. Skip from a state taken after the first step of the "
+            "next epoch (the one the script sets with sampler.set_epoch(); the docs' recipe "
+            "sets the state's distributed.sampler_epoch)."
         )
     ref = started[0]
     if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
@@ -325,7 +326,7 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
         new[S.K_SEED] = derive_seed(
             DIST_SEED, sampler_seed, ref.sampler_epoch, len(history), world, r
         )
-        new[S.K_DIST] = {"sampler_epoch": ref.sampler_epoch, "history": history}
+        new[S.K_DIST] = {"sampler_epoch": ref.sampler_epoch, "history": history, "ended": False}
         new[S.K_SKIPPED_SAMPLES] = [*p.skipped_samples, record]
         out.append(new)
     return out

@@ -5,7 +5,8 @@
 ``save``: every rank takes STEPS batches of sampler epoch 1 (rank 0 one more: the ranks are
 out of step), then all save the loader with torch.distributed.checkpoint into CKPT. With KILL,
 rank 1 SIGKILLs one of its workers after its first batch. ``resume``: every rank loads CKPT
-with DCP and runs to the end of the epoch, then runs epoch 2 whole. Each rank writes what it
+with DCP and runs the recipe of docs/distributed.md up to epoch 2: the rest of epoch 1, then
+epoch 2 whole. Each rank writes what it
 consumed, as json, to OUT/PHASE-rank<r>.json.
 """
 
@@ -64,9 +65,11 @@ def main() -> None:
         dcp.save({"loader": loader}, checkpoint_id=ckpt)
     else:
         dcp.load({"loader": loader}, checkpoint_id=ckpt)
-        got["1"] = [i for b in loader for i in b.tolist()]
-        sampler.set_epoch(2)
-        got["2"] = [i for b in loader for i in b.tolist()]
+        # The recipe of docs/distributed.md: the epoch from the state, not one this job knows.
+        start_epoch = loader.state_dict()["distributed"]["sampler_epoch"]
+        for epoch in range(start_epoch, 3):
+            sampler.set_epoch(epoch)
+            got[str(epoch)] = [i for b in loader for i in b.tolist()]
     with open(os.path.join(out, f"{phase}-rank{rank}.json"), "w") as f:
         stats = loader.statistics()
         json.dump({"world": dist.get_world_size(), "got": got, "respawns": stats.respawns}, f)

@@ -170,6 +170,9 @@ def test_another_world_size_continues_the_epoch_exactly_once(before, after, skew
     assert bool(said) == bool(pad and before != after)
     if said:
         assert f"{pad} of them are repeated" in said[0]
+        # The epoch's account is the run's: every sample delivered, the padding twice.
+        twice = sum(delivered.values()) - len(delivered)
+        assert f"{len(delivered)} of the epoch's {N} samples are delivered, {twice} of" in said[0]
 
 
 def test_an_exact_division_repeats_and_skips_nothing() -> None:
@@ -219,7 +222,10 @@ def test_a_state_saved_at_the_epochs_end_starts_the_next_epoch() -> None:
     for rank in range(3):
         loader = make(3, rank)
         loader.load_state_dict(merged)
-        loader.sampler.set_epoch(1)
+        # The recipe of docs/distributed.md, not a set_epoch(1) of the test's own knowing.
+        start_epoch = loader.state_dict()["distributed"]["sampler_epoch"]
+        assert start_epoch == 1
+        loader.sampler.set_epoch(start_epoch)
         assert [ids(b) for b in loader] == epoch_of(make(3, rank), 1)
 
 
@@ -342,3 +348,68 @@ def test_ranks_one_batch_apart_across_the_epochs_end() -> None:
     # sample is left, padded to a step of 3 ranks.
     assert len(taken[0]) + len(taken[1]) == 22
     assert sum(counts.values()) == 22 + 3
+
+
+# ---- what a resize drops, counted ----------------------------------------------------------------
+def dropping(world: int, rank: int, batch_drop: bool) -> DataLoader:
+    """``make(drop_last=True)``, the loader dropping incomplete batches too if ``batch_drop``."""
+    ds = RangeDataset(N)
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=7, drop_last=True)
+    return DataLoader(ds, batch_size=BS, sampler=sampler, drop_last=batch_drop)
+
+
+# Batches each rank takes before the save: in step, one rank ahead, or (None) rank 0 at the
+# end of its share and the others a batch short of it.
+RESIZES = [(2, 3, [2, 2]), (2, 3, None), (3, 2, [1, 1, 1]), (4, 3, [1, 2, 1, 1])]
+
+
+@pytest.mark.parametrize("batch_drop", [False, True], ids=["batches-kept", "batch-drop_last"])
+@pytest.mark.parametrize(
+    ("before", "after", "steps"),
+    RESIZES,
+    ids=[f"{a}to{b}-{'one-done' if s is None else s}" for a, b, s in RESIZES],
+)
+def test_a_drop_last_resize_says_how_many_samples_the_epoch_leaves_out(
+    before, after, steps, batch_drop
+) -> None:
+    # The issue's case: 2 -> 3 ranks mid-epoch with drop_last=True warned that 1 sample was
+    # dropped and every other delivered once, while the epoch left out 3 (23 samples: 1
+    # trimmed by the first cut, 2 by the re-cut). The warning's account must be the run's.
+    taken = []
+    states = []
+    share = N // before  # torch's cut for `before` ranks, drop_last=True
+    left = share * before  # what the next cut gets: the first cut, less what the ranks took
+    for rank in range(before):
+        loader = dropping(before, rank, batch_drop)
+        k = steps[rank] if steps else len(loader) - (rank > 0)
+        it = iter(loader)
+        taken += [i for _ in range(k) for i in ids(next(it))]
+        states.append(roundtrip_state(loader.state_dict(), "torch"))
+        # A rank at its share's end counts as having taken all of it (docs/distributed.md).
+        left -= share if k == len(loader) else k * BS
+        del it
+    merged = merge_rank_states(states)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = []
+        for rank in range(after):
+            loader = dropping(after, rank, batch_drop)
+            loader.load_state_dict(merged)
+            rest += [i for b in loader for i in ids(b)]
+    delivered = collections.Counter(taken + rest)
+    assert max(delivered.values()) == 1  # drop_last: nothing repeated
+    missed = N - len(delivered)
+    unbroken = N - sum(len(ids(b)) for r in range(before) for b in dropping(before, r, batch_drop))
+    said = {str(w.message) for w in caught if "samples of the epoch are left" in str(w.message)}
+    if left % after == 0:
+        assert not said  # the re-cut itself drops nothing: no warning
+        return
+    assert len(said) == 1  # every rank says the same
+    (text,) = said
+    assert f"the last {left % after} of them are dropped" in text
+    assert f"{N - missed} of the epoch's {N} samples are delivered; {missed} are not" in text
+    assert (
+        f"an uninterrupted run on {before} ranks (with this batch size) leaves out {unbroken}"
+        in text
+    )
+    assert "exactly once" not in text

@@ -95,19 +95,39 @@ def test_dcp_resume_on_any_world_size_delivers_the_epoch_exactly_once(
         assert resumed[r]["got"]["2"] == torchs_shards(after, 2)[r]
 
 
-def test_the_ddp_example_killed_and_resumed_on_three_ranks(tmp_path: Path) -> None:
+# 2 ranks x batch 4 over 96 samples: 12 steps an epoch, a checkpoint every 3. Killed at step 7,
+# it resumes from step 6, mid-epoch; killed at step 13, from step 12: the state was taken right
+# after epoch 0's last batch, and the recipe must start epoch 1, not train epoch 0 again.
+KILLS = [
+    pytest.param(7, id="mid-epoch"),
+    # Slow profile (a torchrun job of about 45 s here): every save point of the recipe, the
+    # epochs' ends among them, is resumed in process by test_distributed_recipe.py.
+    pytest.param(13, marks=pytest.mark.slow, id="at-an-epochs-end"),
+]
+
+
+@pytest.mark.parametrize("crash_at", KILLS)
+def test_the_ddp_example_killed_and_resumed_on_three_ranks(tmp_path: Path, crash_at: int) -> None:
     example = JOB.parent.parent / "examples" / "ddp_elastic.py"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(JOB.parent.parent), env.get("PYTHONPATH", "")])
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     first = subprocess.run(
-        [*run, "--nproc-per-node=2", str(example), "--ckpt", str(tmp_path), "--crash-at", "7"],
+        [
+            *run,
+            "--nproc-per-node=2",
+            str(example),
+            "--ckpt",
+            str(tmp_path),
+            "--crash-at",
+            str(crash_at),
+        ],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
-    assert first.returncode != 0  # rank 0 was SIGKILLed at step 7
+    assert first.returncode != 0  # rank 0 was SIGKILLed at step crash_at
     second = subprocess.run(
         [*run, "--nproc-per-node=3", str(example), "--ckpt", str(tmp_path)],
         env=env,
@@ -116,5 +136,5 @@ def test_the_ddp_example_killed_and_resumed_on_three_ranks(tmp_path: Path) -> No
         timeout=240,
     )
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed" in second.stdout
+    assert f"resumed {tmp_path}/step-{crash_at - 1:05d}" in second.stdout
     assert "every sample of every epoch trained exactly once" in second.stdout

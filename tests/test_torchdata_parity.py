@@ -44,3 +44,36 @@ def test_snapshots_every_n_steps_resume_exactly(num_workers: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert check_resume(make, epochs=2, steps=[1, 2, 4, 5, 7, 9, 11]) == 7
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's own
+def test_an_epochs_end_here_and_in_torchdata() -> None:
+    # docs/guarantees.md, "An epoch's end, here and in torchdata": its table, measured. A state
+    # taken after StopIteration resumes with the next epoch in both; one taken after the last
+    # batch, before StopIteration, does here, and gives torchdata an empty first pass.
+    torchdata = pytest.importorskip("torchdata.stateful_dataloader")
+    data = list(range(8))
+    whole = [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+    def two_passes_after_resume(make, *, after_stop: bool) -> list[list[list[int]]]:
+        loader = make()
+        it = iter(loader)
+        for _ in range(len(loader)):
+            next(it)
+        if after_stop:
+            assert next(it, None) is None
+        state = loader.state_dict()
+        again = make()
+        again.load_state_dict(state)
+        return [[b.tolist() for b in again] for _ in range(2)]
+
+    def ours():
+        return DataLoader(data, batch_size=2)
+
+    def theirs():
+        return torchdata.StatefulDataLoader(data, batch_size=2)
+
+    assert two_passes_after_resume(ours, after_stop=True) == [whole, whole]
+    assert two_passes_after_resume(theirs, after_stop=True) == [whole, whole]
+    assert two_passes_after_resume(ours, after_stop=False) == [whole, whole]
+    assert two_passes_after_resume(theirs, after_stop=False) == [[], whole]
