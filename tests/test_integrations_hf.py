@@ -33,7 +33,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader
 from resumable_loader.integrations import _common
-from resumable_loader.integrations.accelerate import _placing, prepare_data_loader
+from resumable_loader.integrations.accelerate import _prepared_class, prepare_data_loader
 
 # accelerate and transformers in the test process: see tests/conftest.py.
 pytestmark = pytest.mark.heavy_imports
@@ -149,6 +149,147 @@ def test_accelerate_two_processes_sigkilled_mid_epoch_resume_exactly(
     kill_and_resume(tmp_path, "accelerate", data, kill_at, workers=1, world=2)
 
 
+# 10 samples, batches of 3 (the last one of 1), gradients accumulated over 3 batches: each epoch
+# is one step of 3 batches and one of the epoch's last batch, as accelerate steps at an end.
+ACC_N, ACC_BATCH, ACC_STEPS, ACC_EPOCHS = 10, 3, 3, 3
+
+
+def _accumulating(ours: bool, shuffle: bool) -> tuple[Accelerator, Any, Any, Any]:
+    """A fresh accelerator (accumulating over ``ACC_STEPS``), model, optimizer and loader
+    over the samples 0..9: ours through ``prepare_data_loader``, or torch's through
+    ``accelerator.prepare``."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=ACC_STEPS)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = acc.prepare(model, opt)
+    data = torch.arange(ACC_N, dtype=torch.float32).unsqueeze(1) / ACC_N
+    if ours:
+        gen = torch.Generator().manual_seed(3)
+        loader = prepare_data_loader(
+            acc, DataLoader(data, batch_size=ACC_BATCH, shuffle=shuffle, generator=gen)
+        )
+    else:
+        loader = acc.prepare(TorchDataLoader(data, batch_size=ACC_BATCH, shuffle=shuffle))
+    return acc, model, opt, loader
+
+
+def _accumulate_epochs(
+    acc: Accelerator, model: Any, opt: Any, loader: Any, epochs: range, save: str | None = None
+) -> list[list[float]]:
+    """The docs' loop under ``accelerator.accumulate``: every optimizer step's batch values,
+    in order. ``save``: ``accelerator.save_state(save)`` after the first epoch's last batch."""
+    steps: list[list[float]] = []
+    taken: list[float] = []
+    for epoch in epochs:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            with acc.accumulate(model):
+                acc.backward(model(batch).pow(2).mean())
+                taken += batch.flatten().tolist()
+                if acc.sync_gradients:
+                    steps.append(taken)
+                    taken = []
+                opt.step()
+                opt.zero_grad()
+        if save is not None and epoch == epochs[0]:
+            acc.save_state(save)
+    return steps
+
+
+def _weights(model: Any) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_accelerate_accumulate_steps_at_each_epoch_end_as_plain_prepare_does() -> None:
+    """``accelerator.accumulate`` over our prepared loader makes the optimizer steps that
+    accelerate's own prepared torch loader makes -- 2 per epoch, the second at the epoch's
+    end with its 1 leftover batch -- over the same batches, to bit-identical weights."""
+    ref_acc, ref_model, ref_opt, ref_loader = _accumulating(ours=False, shuffle=False)
+    ref = _accumulate_epochs(ref_acc, ref_model, ref_opt, ref_loader, range(ACC_EPOCHS))
+    assert len(ref) == 2 * ACC_EPOCHS, "accelerate steps at every epoch's end"
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=False)
+    with loader:
+        got = _accumulate_epochs(acc, model, opt, loader, range(ACC_EPOCHS))
+        assert not acc.gradient_state.in_dataloader, "the loader unregistered at its end"
+    assert got == ref, f"{len(got)} optimizer steps, accelerate's loader makes {len(ref)}"
+    assert _weights(model) == _weights(ref_model), "the same weights, bit for bit"
+
+
+def test_accelerate_save_state_at_an_epoch_end_resumes_to_the_uninterrupted_weights(
+    tmp_path: Path,
+) -> None:
+    """The docs' recipe with ``accelerator.accumulate`` and a shuffling loader:
+    ``save_state`` after epoch 0's last batch, then new objects ``load_state`` and train
+    epochs 1 and 2. The optimizer steps and final weights are those of the uninterrupted run
+    (no accumulation was pending at the save: the epoch's end stepped)."""
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=True)
+    with loader:
+        ref = _accumulate_epochs(acc, model, opt, loader, range(ACC_EPOCHS))
+    ref_weights = _weights(model)
+
+    ckpt = str(tmp_path / "ckpt")
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=True)
+    with loader:
+        first = _accumulate_epochs(acc, model, opt, loader, range(1), save=ckpt)
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=True)
+    with loader:
+        acc.load_state(ckpt)
+        start = loader.state_dict()["epoch"]
+        assert start == 1, "the state saved at the epoch's last batch begins the next epoch"
+        rest = _accumulate_epochs(acc, model, opt, loader, range(start, ACC_EPOCHS))
+    assert first + rest == ref
+    assert _weights(model) == ref_weights, "the same weights, bit for bit"
+
+
+class _Items(torch.utils.data.IterableDataset):
+    """A stream of the floats 0..n-1 without a length (each epoch reads it again); worker w
+    of W reads w, w + W, ..."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, world = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(torch.arange(w, self.n, world, dtype=torch.float32).unsqueeze(1))
+
+
+@pytest.mark.filterwarnings("ignore:resuming an iterable dataset without state_dict")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_accelerate_stream_without_length_ends_its_epoch_and_keeps_its_position(
+    workers: int,
+) -> None:
+    """A stream has no length: the prepared loader takes one batch ahead to see its end, as
+    accelerate's loader does, so ``end_of_dataloader`` is set at the epoch's last batch only,
+    as for accelerate's prepared torch loader over the same stream. A ``state_dict()`` taken
+    while the batch ahead is held is the caller's position: resumed in a new loader, it gives
+    the rest of the uninterrupted epoch and the next one."""
+    ref_acc = Accelerator(cpu=True)
+    ref_loader = ref_acc.prepare(TorchDataLoader(_Items(10), batch_size=3, num_workers=workers))
+    ref = [(b.flatten().tolist(), ref_acc.gradient_state.end_of_dataloader) for b in ref_loader]
+    assert [end for _, end in ref] == [False] * (len(ref) - 1) + [True]
+
+    acc = Accelerator(cpu=True)
+
+    def prepared() -> DataLoader[Any]:
+        return prepare_data_loader(acc, DataLoader(_Items(10), batch_size=3, num_workers=workers))
+
+    with prepared() as loader:
+        it = iter(loader)
+        got = [(b.flatten().tolist(), acc.gradient_state.end_of_dataloader) for b in [next(it)]]
+        state = loader.state_dict()
+        got += [(b.flatten().tolist(), acc.gradient_state.end_of_dataloader) for b in it]
+        assert got == ref
+        assert not acc.gradient_state.in_dataloader
+        whole = [b.flatten().tolist() for b in loader]
+    with prepared() as loader:
+        loader.load_state_dict(state)
+        resumed = [b.flatten().tolist() for b in loader] + [b.flatten().tolist() for b in loader]
+    assert resumed == [b for b, _ in ref[1:]] + whole
+
+
 def test_plain_prepare_of_our_loader_warns_once_naming_the_call_to_use(tmp_path: Path) -> None:
     """``accelerator.prepare(our_loader)`` replaces the loader (the warning says so, once per
     loader, pointing at the user's line); torch's loaders and our ``prepare_data_loader`` are
@@ -167,7 +308,7 @@ def test_plain_prepare_of_our_loader_warns_once_naming_the_call_to_use(tmp_path:
     assert "prepare_data_loader(accelerator, loader)" in str(msgs[0].message)
     assert (msgs[0].filename, msgs[0].lineno) == (__file__, line)
     assert type(replaced).__name__ == "DataLoaderShard", "accelerate did replace it"
-    assert type(kept) is DataLoader and isinstance(kept.sampler, DistributedSampler)
+    assert isinstance(kept, DataLoader) and isinstance(kept.sampler, DistributedSampler)
     # What accelerate's save_state keeps of the replaced loader: no position at all.
     acc.save_state(str(tmp_path / "ckpt"))
     names = os.listdir(tmp_path / "ckpt")
@@ -182,8 +323,10 @@ def test_placed_batches_move_to_the_device_and_keep_the_state() -> None:
     """Off the CPU the prepared loader moves each batch as it is taken (here to the ``meta``
     device, which any machine has) and stays our loader, with our state."""
     base = DataLoader(list(range(10)), batch_size=3, shuffle=True)
-    loader = _common.shard(base, 1, 0, 5, cls=_placing(DataLoader))
+    loader = _common.shard(base, 1, 0, 5, cls=_prepared_class(DataLoader))
     loader.placement_device = torch.device("meta")
+    loader.gradient_state = Accelerator(cpu=True).gradient_state
+    loader._accelerate_world = 1
     assert isinstance(loader, DataLoader) and type(loader).__name__ == "DataLoader"
     it = iter(loader)
     batches = [next(it), next(it)]
