@@ -47,7 +47,12 @@ STEPS = {
     ("accelerate", "stream"): 30,
     ("trainer", "map"): 18,
     ("trainer", "stream"): 9,
+    # 10 items a pass in batches of 3: max_steps=10, or 5 steps of 2 accumulated batches.
+    ("trainer", "passes"): 10,
+    ("trainer", "passes-ga2"): 10,
 }
+# Batches per optimizer step (the Trainer's gradient_accumulation_steps in the job).
+ACCUMULATION = {"passes-ga2": 2}
 
 
 def read_rows(log: Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -105,7 +110,8 @@ def kill_and_resume(
         ref = job(tmp, which, "ref", -1, False, data, workers, world)
     job(tmp, which, "run", kill_at, False, data, workers, world)
     before = [read_rows(tmp / "run.log", r) for r in range(world)]
-    assert [len(b) for b in before] == [kill_at] * world, "killed after that step's checkpoint"
+    rows = kill_at * ACCUMULATION.get(data, 1)
+    assert [len(b) for b in before] == [rows] * world, "killed after that step's checkpoint"
     run = job(tmp, which, "run", -1, True, data, workers, world)
     for r in range(world):
         assert_same_rows(read_rows(run, r), read_rows(ref, r), f"{which} {data} rank {r}")
@@ -113,7 +119,7 @@ def kill_and_resume(
     assert len(read_rows(ref)) == STEPS[which, data] // (world if data == "map" else 1)
     weights = Path(f"{run}.weights").read_text()
     assert weights == Path(f"{ref}.weights").read_text(), "the same final weights, bit for bit"
-    if world == 1:
+    if world == 1 and not data.startswith("passes"):  # (passes read the items again)
         after = [i for row in read_rows(run)[kill_at:] for i in row["ids"]]
         got = fetched(Path(f"{run}.fetched"))
         trained_before = {i for row in before[0] for i in row["ids"]}
@@ -390,6 +396,28 @@ def test_resumable_trainer_sigkilled_mid_epoch_resumes_exactly(tmp_path: Path) -
     and augmentation values of the uninterrupted run, which ends with the same weights; the
     resumed run fetched exactly what it trained (the Trainer's skip fetched nothing)."""
     kill_and_resume(tmp_path, "trainer", "map", 9, workers=2)
+
+
+@pytest.mark.parametrize(
+    ("data", "kill_at"),
+    [
+        ("passes", 6),
+        pytest.param("passes", 4, marks=pytest.mark.slow),
+        pytest.param("passes-ga2", 3, marks=pytest.mark.slow),
+    ],
+    ids=["pass1-step2", "pass0-end", "accumulation2-pass1"],
+)
+def test_resumable_trainer_stream_without_length_resumes_after_a_pass(
+    tmp_path: Path, data: str, kill_at: int
+) -> None:
+    """A 10-item stream without ``len()`` in batches of 3 (4 batches a pass), which
+    ``max_steps`` runs through more than twice: SIGKILLed after the checkpoint of a step in
+    the second pass, or of the first pass's last batch, and resumed. The resumed run trains
+    what the uninterrupted one trained, step for step, and ends with its weights; the
+    Trainer's epoch counts the passes as in the uninterrupted run. Without a length the
+    Trainer counts the whole run as one epoch of ``max_steps`` steps, which no loader
+    position within a pass matches."""
+    kill_and_resume(tmp_path, "trainer", data, kill_at, workers=1)
 
 
 @pytest.mark.slow
