@@ -45,6 +45,7 @@ from .._distributed import called_by_dcp, gather, merge_rank_states
 from .._loader import DataLoader
 from .._sampling import BUILTIN, DISTRIBUTED
 from . import _common
+from ._hf_streams import warn_shuffle_buffer
 
 __all__ = ["prepare_data_loader", "state_file_name"]
 
@@ -171,6 +172,7 @@ def _prepared_class(base: Any) -> Any:
             held = self.__dict__.get("_held_state")
             if held is None:
                 return base.state_dict(self)
+            warn_shuffle_buffer(self, "saving")
             if called_by_dcp():
                 return merge_rank_states(gather(held))
             return copy.deepcopy(held)
