@@ -8,7 +8,7 @@ epoch: for a stream it fetches and throws away every one of them; for a map-styl
 builds a new torch loader whose order is drawn from a fresh generator, so from the second
 epoch on it trains other samples than the uninterrupted run did.
 
-``ResumableTrainer`` differs from the ``Trainer`` in three places only:
+``ResumableTrainer`` differs from the ``Trainer`` in four places only:
 
 * ``get_train_dataloader`` builds our loader from the same ``TrainingArguments``, collator
   and train sampler, shared over the processes by torch's ``DistributedSampler`` seeded with
@@ -18,7 +18,10 @@ epoch on it trains other samples than the uninterrupted run did.
 * on ``train(resume_from_checkpoint=...)`` the loader loads that state, and the Trainer's
   skip of the batches already trained is answered by the loader itself: it is already there,
   so nothing is fetched, and the Trainer keeps counting its steps as it always does (gradient
-  accumulation, the epoch's last partial step, its RNG states).
+  accumulation, the epoch's last partial step, its RNG states);
+* for a loader without ``len()``, which the Trainer counts as one epoch of ``max_steps``
+  steps while its loop takes one epoch per pass, ``_init_training_state`` resumes the
+  Trainer at the loader's pass and its position in it.
 """
 
 from __future__ import annotations
@@ -85,8 +88,9 @@ class ResumableTrainer(Trainer):
     ``seed_worker`` is not passed.
 
     ``train(resume_from_checkpoint=True | path)`` then trains, after the checkpoint, the
-    batches the uninterrupted run trained, step for step, across epoch boundaries, with one or
-    more processes (``torchrun``). ``ignore_data_skip=True`` keeps the Trainer's meaning: the
+    batches the uninterrupted run trained, step for step, across epoch boundaries (also the
+    passes of a stream without ``len()`` under ``max_steps``), with one or more processes
+    (``torchrun``). ``ignore_data_skip=True`` keeps the Trainer's meaning: the
     loader starts its epoch from the beginning.
 
     Args:
