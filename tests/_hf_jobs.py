@@ -147,7 +147,11 @@ def run_accelerate(out: str, log: str, kill_at: int, resume: bool, data: str, wo
     acc.end_training()
 
 
-def run_trainer(out: str, log: str, kill_at: int, resume: bool, data: str, workers: int):
+def run_trainer(
+    out: str, log: str, kill_at: int, resume: bool, data: str, workers: int, stop: bool = False
+):
+    """``stop``: after the checkpoint of step ``kill_at``, stop training (``train`` returns)
+    instead of SIGKILLing the process: for a run inside the test process."""
     from transformers import TrainerCallback, TrainingArguments
 
     from resumable_loader.integrations.transformers import ResumableTrainer
@@ -155,8 +159,12 @@ def run_trainer(out: str, log: str, kill_at: int, resume: bool, data: str, worke
     class Kill(TrainerCallback):
         def on_save(self, args, state, control, **kw):
             if state.global_step == kill_at:
+                if stop:
+                    control.should_training_stop = True
+                    return control
                 torch.distributed.barrier() if torch.distributed.is_initialized() else None
                 os.kill(os.getpid(), signal.SIGKILL)
+            return None
 
     class Logged(ResumableTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
