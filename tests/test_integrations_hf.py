@@ -389,6 +389,46 @@ def test_accelerate_stream_without_generator_resumes_across_the_epoch_boundary(
     assert got == ref
 
 
+class _Interrupted(_Items):
+    """``_Items`` that raises KeyboardInterrupt (a Ctrl-C) once, when asked for item ``at``."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at: int | None = at
+
+    def __iter__(self):
+        for x in super().__iter__():
+            if int(x) == self.at:
+                self.at = None
+                raise KeyboardInterrupt
+            yield x
+
+
+@pytest.mark.filterwarnings("ignore:resuming an iterable dataset without state_dict")
+@pytest.mark.parametrize("taken", [0, 1])
+def test_accelerate_stream_ctrl_c_while_taking_the_batch_ahead_keeps_the_position(
+    taken: int,
+) -> None:
+    """A Ctrl-C while the prepared loader takes a batch ahead, after the caller took
+    ``taken`` batches (the next one was fetched, never handed out): the state is the
+    caller's position, and a loader resumed from it gives the rest of the uninterrupted
+    epoch, the batch that was never handed out first."""
+    acc = Accelerator(cpu=True)
+    ref = [b.flatten().tolist() for b in TorchDataLoader(_Items(10), batch_size=3)]
+    at = 3 * (taken + 1) + 1  # an item of the batch after the one fetched but not handed out
+    with prepare_data_loader(acc, DataLoader(_Interrupted(10, at), batch_size=3)) as loader:
+        got = []
+        with pytest.raises(KeyboardInterrupt):
+            for batch in loader:
+                got.append(batch.flatten().tolist())
+        state = loader.state_dict()
+    assert got == ref[:taken] and state["consumed"] == taken
+    resumed = DataLoader(_Interrupted(10, at=-1), batch_size=3)  # (no interrupt)
+    with prepare_data_loader(acc, resumed) as loader:
+        loader.load_state_dict(state)
+        assert [b.flatten().tolist() for b in loader] == ref[taken:]
+
+
 # ---- transformers' Trainer ---------------------------------------------------------------------
 def test_resumable_trainer_sigkilled_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """``ResumableTrainer``, a checkpoint every step, SIGKILLed after step 9 (epoch 1, 3 of 6)

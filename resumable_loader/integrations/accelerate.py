@@ -124,29 +124,34 @@ class _Epoch(Iterator[Any]):
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        exact = loader._plan.kind in _EXACT_LENGTH
         if self._ahead:
             batch = self._ahead.pop()
-            loader._held_state = None
         else:
+            # The caller's position without this batch: what the state says until the
+            # look-ahead below returns (a Ctrl-C in it never hands this batch out).
+            before = None if exact else loader._rank_state()
             try:
                 batch = next(self._it)
             except StopIteration:
                 self._end()
                 raise
+            loader._held_state = before
         last = _known_last(loader)
+        held = None  # the caller's position once it has this batch, while one is held ahead
         if last is None:
-            held = loader.state_dict()
+            # (the loader's own state, without the checks and the warning of state_dict())
+            after = loader._rank_state()
             try:
                 self._ahead.append(next(self._it))
-                loader._held_state = held
-                last = False
+                held, last = after, False
             except StopIteration:
                 last = True
             except Exception as e:
                 # Our iterator stays usable after a failed batch (on_poison="raise"): the
                 # caller gets this batch now and the error at the next one, in order.
-                self._error = e
-                last = False
+                self._error, last = e, False
+        loader._held_state = held
         if last:
             loader.end_of_dataloader = True
         if self._device is not None:
