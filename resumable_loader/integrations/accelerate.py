@@ -4,8 +4,10 @@
 ``torch.utils.data.DataLoader`` to ``prepare_data_loader`` (``accelerate/data_loader.py``),
 which builds a ``DataLoaderShard`` over a new torch ``DataLoader`` from the loader's dataset,
 batch sampler and constructor arguments. ``prepare_data_loader`` below does what ``prepare``
-does for a loader -- one share of each epoch per process, batches on ``accelerator.device`` --
-and keeps ours::
+does for a loader -- one share of each epoch per process, batches on ``accelerator.device``,
+each epoch registered with the accelerator's ``GradientState`` and its end announced before
+its last batch (``DataLoaderShard.__iter__``), which ``accelerator.accumulate`` and
+``gather_for_metrics`` read -- and keeps ours::
 
     model, optimizer = accelerator.prepare(model, optimizer)
     loader = prepare_data_loader(accelerator, loader)  # instead of prepare(..., loader)
