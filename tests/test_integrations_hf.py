@@ -219,6 +219,16 @@ def test_accelerate_accumulate_steps_at_each_epoch_end_as_plain_prepare_does() -
     with loader:
         got = _accumulate_epochs(acc, model, opt, loader, range(ACC_EPOCHS))
         assert not acc.gradient_state.in_dataloader, "the loader unregistered at its end"
+        # What gather_for_metrics reads, batch by batch: the same as for accelerate's loader.
+        state = acc.gradient_state
+        seen = [(state.in_dataloader, state.end_of_dataloader, state.remainder) for _ in loader]
+    ref_state = ref_acc.gradient_state
+    expected = [
+        (ref_state.in_dataloader, ref_state.end_of_dataloader, ref_state.remainder)
+        for _ in ref_loader
+    ]
+    assert expected[-1] == (True, True, ACC_N % ACC_BATCH)
+    assert seen == expected
     assert got == ref, f"{len(got)} optimizer steps, accelerate's loader makes {len(ref)}"
     assert _weights(model) == _weights(ref_model), "the same weights, bit for bit"
 
