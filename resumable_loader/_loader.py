@@ -57,6 +57,7 @@ from ._supervisor import Supervisor
 from ._worker import (
     WorkerSpec,
 )
+from .integrations._hf_streams import warn_shuffle_buffer
 from .integrations._rebuilt import watched_multiprocessing_context
 
 T_co = TypeVar("T_co", covariant=True)
@@ -561,6 +562,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             ValueError: it returned more than 1024 characters (a state holds a digest).
             RuntimeError: it raised (chained as ``__cause__``).
         """
+        warn_shuffle_buffer(self, "saving")
         if D.called_by_dcp():
             return D.merge_rank_states(D.gather(self._rank_state()))
         return self._rank_state()
@@ -687,6 +689,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 (see ``state_dict``).
         """
         policy = F.check_policy(on_dataset_change)
+        warn_shuffle_buffer(self, "resuming")
         data = self._dataset_record()
         stateful = self._plan.kind == STATEFUL
         if D.is_global(state_dict):

@@ -2,13 +2,16 @@
 
     python _hf_jobs.py accelerate|trainer OUT LOG KILL_AT RESUME DATA [WORKERS]
 
-``DATA`` is ``map`` (a map dataset whose items are their own index, shuffled) or ``stream`` (a
-stream with ``state_dict()``, each rank reading its own part). Every item carries an
-augmentation value drawn from python's ``random`` (the loader seeds it per batch). Every
-training step appends (global step, epoch, ids, augmentation values) to ``LOG.rank<r>``,
-fsynced; ``FETCH_LOG`` (env) receives one line per item the dataset produced. After the
-checkpoint of global step ``KILL_AT`` every rank SIGKILLs itself (-1: never). ``RESUME=1``
-resumes from ``OUT``'s checkpoint. At the end rank 0 writes the weights to ``LOG.weights``.
+``DATA`` is ``map`` (a map dataset whose items are their own index, shuffled), ``stream`` (a
+stream with ``state_dict()``, each rank reading its own part), or, for the Trainer only,
+``passes`` / ``passes-ga2``: a 10-item stream in batches of 3 (4 batches a pass) that
+``max_steps`` runs through more than twice, without and with gradient accumulation 2. Every
+item carries an augmentation value drawn from python's ``random`` (the loader seeds it per
+batch). Every training step appends (global step, epoch, ids, augmentation values) to
+``LOG.rank<r>``, fsynced; ``FETCH_LOG`` (env) receives one line per item the dataset
+produced. After the checkpoint of global step ``KILL_AT`` every rank SIGKILLs itself (-1:
+never). ``RESUME=1`` resumes from ``OUT``'s checkpoint. At the end rank 0 writes the weights
+to ``LOG.weights``.
 Ranks come from torch's environment variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
 
@@ -25,6 +28,8 @@ import torch
 
 N, BATCH, EPOCHS, SEED = 22, 4, 3, 1234
 STREAM_N, STREAM_STEPS = 40, 9  # the stream: items per rank; the Trainer's max_steps
+# ``passes``: items per rank, batch size, and (gradient accumulation -> the Trainer's max_steps)
+PASSES_N, PASSES_BATCH, PASSES_STEPS = 10, 3, {1: 10, 2: 5}
 
 
 def _fetched(i: int) -> None:
@@ -46,7 +51,8 @@ class Ids(torch.utils.data.Dataset):
 class Stream(torch.utils.data.IterableDataset):
     """Rank r of W reads r, r + W, ...: ``STREAM_N`` items; its state is its cursor."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = STREAM_N) -> None:
+        self.n = n
         self.pos = 0
 
     def state_dict(self) -> dict[str, int]:
@@ -59,7 +65,7 @@ class Stream(torch.utils.data.IterableDataset):
         dist = torch.distributed
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        while self.pos < STREAM_N:
+        while self.pos < self.n:
             i = rank + world * self.pos
             self.pos += 1
             _fetched(i)
@@ -141,7 +147,11 @@ def run_accelerate(out: str, log: str, kill_at: int, resume: bool, data: str, wo
     acc.end_training()
 
 
-def run_trainer(out: str, log: str, kill_at: int, resume: bool, data: str, workers: int):
+def run_trainer(
+    out: str, log: str, kill_at: int, resume: bool, data: str, workers: int, stop: bool = False
+):
+    """``stop``: after the checkpoint of step ``kill_at``, stop training (``train`` returns)
+    instead of SIGKILLing the process: for a run inside the test process."""
     from transformers import TrainerCallback, TrainingArguments
 
     from resumable_loader.integrations.transformers import ResumableTrainer
@@ -149,21 +159,29 @@ def run_trainer(out: str, log: str, kill_at: int, resume: bool, data: str, worke
     class Kill(TrainerCallback):
         def on_save(self, args, state, control, **kw):
             if state.global_step == kill_at:
+                if stop:
+                    control.should_training_stop = True
+                    return control
                 torch.distributed.barrier() if torch.distributed.is_initialized() else None
                 os.kill(os.getpid(), signal.SIGKILL)
+            return None
 
     class Logged(ResumableTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
-            epoch = int(self.state.epoch or 0) if data == "map" else 0
+            epoch = int(self.state.epoch or 0) if data != "stream" else 0
             record(log, self.args.process_index, self.state.global_step, epoch, inputs)
             return super().training_step(model, inputs, num_items_in_batch)
 
+    passes = data.startswith("passes")
+    accumulation = 2 if data == "passes-ga2" else 1
+    max_steps = {"map": -1, "stream": STREAM_STEPS}.get(data, PASSES_STEPS[accumulation])
     torch.manual_seed(0)
     args = TrainingArguments(
         output_dir=out,
-        per_device_train_batch_size=BATCH,
+        per_device_train_batch_size=PASSES_BATCH if passes else BATCH,
+        gradient_accumulation_steps=accumulation,
         num_train_epochs=EPOCHS,
-        max_steps=STREAM_STEPS if data == "stream" else -1,
+        max_steps=max_steps,
         save_strategy="steps",
         save_steps=1,
         save_total_limit=2,
@@ -177,7 +195,7 @@ def run_trainer(out: str, log: str, kill_at: int, resume: bool, data: str, worke
         remove_unused_columns=False,
         learning_rate=0.1,
     )
-    ds = Ids() if data == "map" else Stream()
+    ds = Ids() if data == "map" else Stream(PASSES_N if passes else STREAM_N)
     trainer = Logged(model=Net(), args=args, train_dataset=ds, callbacks=[Kill()])
     trainer.train(resume_from_checkpoint=True if resume else None)
     if args.process_index == 0:

@@ -28,6 +28,7 @@ import json
 import os
 import random
 import signal
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -281,6 +282,45 @@ def test_hf_iterable_sigkilled_worker_then_break_resumes_exactly(config: str) ->
         got[1].extend(canonical(b) for b in loader)
     del ds, loader  # a failure's traceback must not keep the dataset's shared memory open
     assert_same_stream(got, ref, f"{config}: worker killed, then break at batch 7 of epoch 1")
+
+
+def test_hf_shuffle_buffer_stream_warns_once_when_saved_and_once_when_resumed() -> None:
+    """``.shuffle(buffer_size=8)``: datasets keeps no buffer content in its state, so a resume
+    never trains the examples the buffer held (here the resumed epoch lacks some ids of the
+    uninterrupted one). ``state_dict()`` says so once per loader with a RuntimeWarning naming
+    the buffer and the fix, and so does ``load_state_dict()`` in the resuming loader; a stream
+    without a buffer is not warned about."""
+    import datasets
+
+    def loader_over_buffered() -> DataLoader[Any]:
+        ds = datasets.Dataset.from_dict({"id": list(range(24))}).to_iterable_dataset(num_shards=2)
+        return DataLoader(ds.shuffle(seed=0, buffer_size=8), batch_size=4)
+
+    def ids(batches: Iterator[Any]) -> list[int]:
+        return [i for b in batches for i in b["id"].tolist()]
+
+    match = r"shuffle\(buffer_size=8\).*no loader can resume this exactly.*drop the buffer"
+    with loader_over_buffered() as loader:
+        whole = ids(iter(loader))
+    with loader_over_buffered() as loader:
+        it = iter(loader)
+        first = ids(itertools.islice(it, 2))
+        with pytest.warns(RuntimeWarning, match=f"(?si)^saving .*{match}") as saved:
+            state = loader.state_dict()
+            loader.state_dict()
+        del it
+    with loader_over_buffered() as loader:
+        with pytest.warns(RuntimeWarning, match=f"(?si)^resuming .*{match}") as resumed:
+            loader.load_state_dict(state)
+        rest = ids(iter(loader))
+    assert [len(saved), len(resumed)] == [1, 1], "once per loader"
+    assert sorted(whole) == list(range(24))
+    assert sorted(first + rest) != sorted(whole), "the buffer's examples were lost at the resume"
+
+    _, plain = make_hf_loader("w0")
+    with plain, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plain.load_state_dict(plain.state_dict())
 
 
 # ---- PyTorch Lightning -------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader
 from resumable_loader.integrations import _common
-from resumable_loader.integrations.accelerate import _placing, prepare_data_loader
+from resumable_loader.integrations.accelerate import _prepared_class, prepare_data_loader
 
 # accelerate and transformers in the test process: see tests/conftest.py.
 pytestmark = pytest.mark.heavy_imports
@@ -47,7 +47,12 @@ STEPS = {
     ("accelerate", "stream"): 30,
     ("trainer", "map"): 18,
     ("trainer", "stream"): 9,
+    # 10 items a pass in batches of 3: max_steps=10, or 5 steps of 2 accumulated batches.
+    ("trainer", "passes"): 10,
+    ("trainer", "passes-ga2"): 10,
 }
+# Batches per optimizer step (the Trainer's gradient_accumulation_steps in the job).
+ACCUMULATION = {"passes-ga2": 2}
 
 
 def read_rows(log: Path, rank: int = 0) -> list[dict[str, Any]]:
@@ -105,7 +110,8 @@ def kill_and_resume(
         ref = job(tmp, which, "ref", -1, False, data, workers, world)
     job(tmp, which, "run", kill_at, False, data, workers, world)
     before = [read_rows(tmp / "run.log", r) for r in range(world)]
-    assert [len(b) for b in before] == [kill_at] * world, "killed after that step's checkpoint"
+    rows = kill_at * ACCUMULATION.get(data, 1)
+    assert [len(b) for b in before] == [rows] * world, "killed after that step's checkpoint"
     run = job(tmp, which, "run", -1, True, data, workers, world)
     for r in range(world):
         assert_same_rows(read_rows(run, r), read_rows(ref, r), f"{which} {data} rank {r}")
@@ -113,7 +119,7 @@ def kill_and_resume(
     assert len(read_rows(ref)) == STEPS[which, data] // (world if data == "map" else 1)
     weights = Path(f"{run}.weights").read_text()
     assert weights == Path(f"{ref}.weights").read_text(), "the same final weights, bit for bit"
-    if world == 1:
+    if world == 1 and not data.startswith("passes"):  # (passes read the items again)
         after = [i for row in read_rows(run)[kill_at:] for i in row["ids"]]
         got = fetched(Path(f"{run}.fetched"))
         trained_before = {i for row in before[0] for i in row["ids"]}
@@ -149,6 +155,157 @@ def test_accelerate_two_processes_sigkilled_mid_epoch_resume_exactly(
     kill_and_resume(tmp_path, "accelerate", data, kill_at, workers=1, world=2)
 
 
+# 10 samples, batches of 3 (the last one of 1), gradients accumulated over 3 batches: each epoch
+# is one step of 3 batches and one of the epoch's last batch, as accelerate steps at an end.
+ACC_N, ACC_BATCH, ACC_STEPS, ACC_EPOCHS = 10, 3, 3, 3
+
+
+def _accumulating(ours: bool, shuffle: bool) -> tuple[Accelerator, Any, Any, Any]:
+    """A fresh accelerator (accumulating over ``ACC_STEPS``), model, optimizer and loader
+    over the samples 0..9: ours through ``prepare_data_loader``, or torch's through
+    ``accelerator.prepare``."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=ACC_STEPS)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = acc.prepare(model, opt)
+    data = torch.arange(ACC_N, dtype=torch.float32).unsqueeze(1) / ACC_N
+    if ours:
+        gen = torch.Generator().manual_seed(3)
+        loader = prepare_data_loader(
+            acc, DataLoader(data, batch_size=ACC_BATCH, shuffle=shuffle, generator=gen)
+        )
+    else:
+        loader = acc.prepare(TorchDataLoader(data, batch_size=ACC_BATCH, shuffle=shuffle))
+    return acc, model, opt, loader
+
+
+def _accumulate_epochs(
+    acc: Accelerator, model: Any, opt: Any, loader: Any, epochs: range, save: str | None = None
+) -> list[list[float]]:
+    """The docs' loop under ``accelerator.accumulate``: every optimizer step's batch values,
+    in order. ``save``: ``accelerator.save_state(save)`` after the first epoch's last batch."""
+    steps: list[list[float]] = []
+    taken: list[float] = []
+    for epoch in epochs:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            with acc.accumulate(model):
+                acc.backward(model(batch).pow(2).mean())
+                taken += batch.flatten().tolist()
+                if acc.sync_gradients:
+                    steps.append(taken)
+                    taken = []
+                opt.step()
+                opt.zero_grad()
+        if save is not None and epoch == epochs[0]:
+            acc.save_state(save)
+    return steps
+
+
+def _weights(model: Any) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def test_accelerate_accumulate_steps_at_each_epoch_end_as_plain_prepare_does() -> None:
+    """``accelerator.accumulate`` over our prepared loader makes the optimizer steps that
+    accelerate's own prepared torch loader makes -- 2 per epoch, the second at the epoch's
+    end with its 1 leftover batch -- over the same batches, to bit-identical weights."""
+    ref_acc, ref_model, ref_opt, ref_loader = _accumulating(ours=False, shuffle=False)
+    ref = _accumulate_epochs(ref_acc, ref_model, ref_opt, ref_loader, range(ACC_EPOCHS))
+    assert len(ref) == 2 * ACC_EPOCHS, "accelerate steps at every epoch's end"
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=False)
+    with loader:
+        got = _accumulate_epochs(acc, model, opt, loader, range(ACC_EPOCHS))
+        assert not acc.gradient_state.in_dataloader, "the loader unregistered at its end"
+        # What gather_for_metrics reads, batch by batch: the same as for accelerate's loader.
+        state = acc.gradient_state
+        seen = [(state.in_dataloader, state.end_of_dataloader, state.remainder) for _ in loader]
+    ref_state = ref_acc.gradient_state
+    expected = [
+        (ref_state.in_dataloader, ref_state.end_of_dataloader, ref_state.remainder)
+        for _ in ref_loader
+    ]
+    assert expected[-1] == (True, True, ACC_N % ACC_BATCH)
+    assert seen == expected
+    assert got == ref, f"{len(got)} optimizer steps, accelerate's loader makes {len(ref)}"
+    assert _weights(model) == _weights(ref_model), "the same weights, bit for bit"
+
+
+def test_accelerate_save_state_at_an_epoch_end_resumes_to_the_uninterrupted_weights(
+    tmp_path: Path,
+) -> None:
+    """The docs' recipe with ``accelerator.accumulate`` and a shuffling loader:
+    ``save_state`` after epoch 0's last batch, then new objects ``load_state`` and train
+    epochs 1 and 2. The optimizer steps and final weights are those of the uninterrupted run
+    (no accumulation was pending at the save: the epoch's end stepped)."""
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=True)
+    with loader:
+        ref = _accumulate_epochs(acc, model, opt, loader, range(ACC_EPOCHS))
+    ref_weights = _weights(model)
+
+    ckpt = str(tmp_path / "ckpt")
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=True)
+    with loader:
+        first = _accumulate_epochs(acc, model, opt, loader, range(1), save=ckpt)
+    acc, model, opt, loader = _accumulating(ours=True, shuffle=True)
+    with loader:
+        acc.load_state(ckpt)
+        start = loader.state_dict()["epoch"]
+        assert start == 1, "the state saved at the epoch's last batch begins the next epoch"
+        rest = _accumulate_epochs(acc, model, opt, loader, range(start, ACC_EPOCHS))
+    assert first + rest == ref
+    assert _weights(model) == ref_weights, "the same weights, bit for bit"
+
+
+class _Items(torch.utils.data.IterableDataset):
+    """A stream of the floats 0..n-1 without a length (each epoch reads it again); worker w
+    of W reads w, w + W, ..."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        w, world = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(torch.arange(w, self.n, world, dtype=torch.float32).unsqueeze(1))
+
+
+@pytest.mark.filterwarnings("ignore:resuming an iterable dataset without state_dict")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_accelerate_stream_without_length_ends_its_epoch_and_keeps_its_position(
+    workers: int,
+) -> None:
+    """A stream has no length: the prepared loader takes one batch ahead to see its end, as
+    accelerate's loader does, so ``end_of_dataloader`` is set at the epoch's last batch only,
+    as for accelerate's prepared torch loader over the same stream. A ``state_dict()`` taken
+    while the batch ahead is held is the caller's position: resumed in a new loader, it gives
+    the rest of the uninterrupted epoch and the next one."""
+    ref_acc = Accelerator(cpu=True)
+    ref_loader = ref_acc.prepare(TorchDataLoader(_Items(10), batch_size=3, num_workers=workers))
+    ref = [(b.flatten().tolist(), ref_acc.gradient_state.end_of_dataloader) for b in ref_loader]
+    assert [end for _, end in ref] == [False] * (len(ref) - 1) + [True]
+
+    acc = Accelerator(cpu=True)
+
+    def prepared() -> DataLoader[Any]:
+        return prepare_data_loader(acc, DataLoader(_Items(10), batch_size=3, num_workers=workers))
+
+    with prepared() as loader:
+        it = iter(loader)
+        got = [(b.flatten().tolist(), acc.gradient_state.end_of_dataloader) for b in [next(it)]]
+        state = loader.state_dict()
+        got += [(b.flatten().tolist(), acc.gradient_state.end_of_dataloader) for b in it]
+        assert got == ref
+        assert not acc.gradient_state.in_dataloader
+        whole = [b.flatten().tolist() for b in loader]
+    with prepared() as loader:
+        loader.load_state_dict(state)
+        resumed = [b.flatten().tolist() for b in loader] + [b.flatten().tolist() for b in loader]
+    assert resumed == [b for b, _ in ref[1:]] + whole
+
+
 def test_plain_prepare_of_our_loader_warns_once_naming_the_call_to_use(tmp_path: Path) -> None:
     """``accelerator.prepare(our_loader)`` replaces the loader (the warning says so, once per
     loader, pointing at the user's line); torch's loaders and our ``prepare_data_loader`` are
@@ -167,7 +324,7 @@ def test_plain_prepare_of_our_loader_warns_once_naming_the_call_to_use(tmp_path:
     assert "prepare_data_loader(accelerator, loader)" in str(msgs[0].message)
     assert (msgs[0].filename, msgs[0].lineno) == (__file__, line)
     assert type(replaced).__name__ == "DataLoaderShard", "accelerate did replace it"
-    assert type(kept) is DataLoader and isinstance(kept.sampler, DistributedSampler)
+    assert isinstance(kept, DataLoader) and isinstance(kept.sampler, DistributedSampler)
     # What accelerate's save_state keeps of the replaced loader: no position at all.
     acc.save_state(str(tmp_path / "ckpt"))
     names = os.listdir(tmp_path / "ckpt")
@@ -182,8 +339,10 @@ def test_placed_batches_move_to_the_device_and_keep_the_state() -> None:
     """Off the CPU the prepared loader moves each batch as it is taken (here to the ``meta``
     device, which any machine has) and stays our loader, with our state."""
     base = DataLoader(list(range(10)), batch_size=3, shuffle=True)
-    loader = _common.shard(base, 1, 0, 5, cls=_placing(DataLoader))
+    loader = _common.shard(base, 1, 0, 5, cls=_prepared_class(DataLoader))
     loader.placement_device = torch.device("meta")
+    loader.gradient_state = Accelerator(cpu=True).gradient_state
+    loader._accelerate_world = 1
     assert isinstance(loader, DataLoader) and type(loader).__name__ == "DataLoader"
     it = iter(loader)
     batches = [next(it), next(it)]
@@ -240,6 +399,46 @@ def test_accelerate_stream_without_generator_resumes_across_the_epoch_boundary(
     assert got == ref
 
 
+class _Interrupted(_Items):
+    """``_Items`` that raises KeyboardInterrupt (a Ctrl-C) once, when asked for item ``at``."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at: int | None = at
+
+    def __iter__(self):
+        for x in super().__iter__():
+            if int(x) == self.at:
+                self.at = None
+                raise KeyboardInterrupt
+            yield x
+
+
+@pytest.mark.filterwarnings("ignore:resuming an iterable dataset without state_dict")
+@pytest.mark.parametrize("taken", [0, 1])
+def test_accelerate_stream_ctrl_c_while_taking_the_batch_ahead_keeps_the_position(
+    taken: int,
+) -> None:
+    """A Ctrl-C while the prepared loader takes a batch ahead, after the caller took
+    ``taken`` batches (the next one was fetched, never handed out): the state is the
+    caller's position, and a loader resumed from it gives the rest of the uninterrupted
+    epoch, the batch that was never handed out first."""
+    acc = Accelerator(cpu=True)
+    ref = [b.flatten().tolist() for b in TorchDataLoader(_Items(10), batch_size=3)]
+    at = 3 * (taken + 1) + 1  # an item of the batch after the one fetched but not handed out
+    with prepare_data_loader(acc, DataLoader(_Interrupted(10, at), batch_size=3)) as loader:
+        got = []
+        with pytest.raises(KeyboardInterrupt):
+            for batch in loader:
+                got.append(batch.flatten().tolist())
+        state = loader.state_dict()
+    assert got == ref[:taken] and state["consumed"] == taken
+    resumed = DataLoader(_Interrupted(10, at=-1), batch_size=3)  # (no interrupt)
+    with prepare_data_loader(acc, resumed) as loader:
+        loader.load_state_dict(state)
+        assert [b.flatten().tolist() for b in loader] == ref[taken:]
+
+
 # ---- transformers' Trainer ---------------------------------------------------------------------
 def test_resumable_trainer_sigkilled_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
     """``ResumableTrainer``, a checkpoint every step, SIGKILLed after step 9 (epoch 1, 3 of 6)
@@ -247,6 +446,44 @@ def test_resumable_trainer_sigkilled_mid_epoch_resumes_exactly(tmp_path: Path) -
     and augmentation values of the uninterrupted run, which ends with the same weights; the
     resumed run fetched exactly what it trained (the Trainer's skip fetched nothing)."""
     kill_and_resume(tmp_path, "trainer", "map", 9, workers=2)
+
+
+@pytest.mark.parametrize(
+    ("data", "stop_at"),
+    [("passes", 6), ("passes", 4), ("passes-ga2", 3)],
+    ids=["pass1-step2", "pass0-end", "accumulation2-pass1"],
+)
+def test_resumable_trainer_stream_without_length_resumes_after_a_pass(
+    tmp_path: Path, data: str, stop_at: int
+) -> None:
+    """A 10-item stream without ``len()`` in batches of 3 (4 batches a pass), which
+    ``max_steps`` runs through more than twice: training stops after the checkpoint of a
+    step in the second pass, or of the first pass's last batch, and a new Trainer resumes
+    with ``train(resume_from_checkpoint=True)``. It trains what the uninterrupted run
+    trained, step for step, and ends with its weights; the Trainer's epoch counts the passes
+    as in the uninterrupted run. (Without a length the Trainer counts the whole run as one
+    epoch of ``max_steps`` steps, which no loader position within a pass matches.) In this
+    process, for speed; the SIGKILLed run is the slow test below."""
+    import _hf_jobs
+
+    ref = reference_here(tmp_path, "trainer", data, workers=1)
+    log = tmp_path / "run.log"
+    _hf_jobs.run_trainer(str(tmp_path / "run"), str(log), stop_at, False, data, 1, stop=True)
+    assert len(read_rows(log)) == stop_at * ACCUMULATION.get(data, 1)
+    _hf_jobs.run_trainer(str(tmp_path / "run"), str(log), -1, True, data, 1)
+    assert_same_rows(read_rows(log), read_rows(ref), f"trainer {data}")
+    assert len(read_rows(ref)) == STEPS["trainer", data]
+    weights = Path(f"{log}.weights").read_text()
+    assert weights == Path(f"{ref}.weights").read_text(), "the same final weights, bit for bit"
+
+
+@pytest.mark.slow
+def test_resumable_trainer_stream_without_length_sigkilled_in_its_second_pass(
+    tmp_path: Path,
+) -> None:
+    """As above, SIGKILLed after the checkpoint of step 6 (the second pass's second batch)
+    and resumed in a new process."""
+    kill_and_resume(tmp_path, "trainer", "passes", 6, workers=1)
 
 
 @pytest.mark.slow

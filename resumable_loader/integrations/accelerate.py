@@ -4,8 +4,10 @@
 ``torch.utils.data.DataLoader`` to ``prepare_data_loader`` (``accelerate/data_loader.py``),
 which builds a ``DataLoaderShard`` over a new torch ``DataLoader`` from the loader's dataset,
 batch sampler and constructor arguments. ``prepare_data_loader`` below does what ``prepare``
-does for a loader -- one share of each epoch per process, batches on ``accelerator.device`` --
-and keeps ours::
+does for a loader -- one share of each epoch per process, batches on ``accelerator.device``,
+each epoch registered with the accelerator's ``GradientState`` and its end announced before
+its last batch (``DataLoaderShard.__iter__``), which ``accelerator.accumulate`` and
+``gather_for_metrics`` read -- and keeps ours::
 
     model, optimizer = accelerator.prepare(model, optimizer)
     loader = prepare_data_loader(accelerator, loader)  # instead of prepare(..., loader)
@@ -24,6 +26,7 @@ unpickles the file and whose ``save_custom_state`` keeps rank 0's object only.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections.abc import Iterator
@@ -40,8 +43,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import torch
 
+from .._distributed import called_by_dcp, gather, merge_rank_states
 from .._loader import DataLoader
+from .._sampling import BUILTIN, DISTRIBUTED
 from . import _common
+from ._hf_streams import warn_shuffle_buffer
 
 __all__ = ["prepare_data_loader", "state_file_name"]
 
@@ -57,34 +63,142 @@ def state_file_name(index: int) -> str:
     return f"resumable_loader_{index}.state"
 
 
-class _Placed(Iterator[Any]):
-    """One epoch's batches, each moved to the device as it is taken. It holds nothing ahead
-    of the loader's iterator, so the loader's ``state_dict()`` stays what the caller took."""
+# Samplers whose epoch length is exact: whether a batch is the epoch's last is known when it
+# is taken, with nothing fetched ahead.
+_EXACT_LENGTH = (BUILTIN, DISTRIBUTED)
 
-    def __init__(self, it: Iterator[Any], device: torch.device, non_blocking: bool) -> None:
+
+def _known_last(loader: DataLoader[Any]) -> bool | None:
+    """Whether the batch just taken was its epoch's last: True or False where the loader
+    knows (an exact length, or a stream whose every shard already ran dry), None where only
+    taking the next batch can tell."""
+    cursor = loader._cursor
+    if cursor is None or cursor.finished:
+        return None
+    if loader._delivered_to_its_end(cursor.position()):
+        return True
+    return False if loader._plan.kind in _EXACT_LENGTH else None
+
+
+def _remainder(loader: DataLoader[Any], world: int) -> int:
+    """What accelerate's ``DataLoaderStateMixin.begin`` records as ``remainder``: the samples
+    of the job's last step that are real (``gather_for_metrics`` cuts the padding a
+    ``DistributedSampler`` repeats), or -1 without a length or with ``drop_last``."""
+    if loader.drop_last or loader.batch_size is None:
+        return -1
+    try:
+        length = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return -1
+    return length % (loader.batch_size * world)
+
+
+class _Epoch(Iterator[Any]):
+    """One epoch of a prepared loader, run as accelerate runs one of its ``DataLoaderShard``:
+    the loader is registered with the accelerator's ``GradientState`` while the epoch runs,
+    and ``end_of_dataloader`` is set on it before its last batch is handed out, so that
+    ``accelerator.accumulate`` steps at the epoch's end and ``gather_for_metrics`` drops the
+    padding. Each batch is moved to the device (if any) as it is taken.
+
+    Where the epoch's length is not known (a stream, a sampler of your own), the end is found
+    as accelerate finds it, by taking one batch ahead; the loader's ``state_dict()`` then
+    answers with the position taken before that batch, so it stays what the caller consumed.
+    """
+
+    def __init__(self, loader: Any, it: Iterator[Any]) -> None:
+        self._loader = loader  # a prepared loader: ``prepare_data_loader`` set its attributes
         self._it = it
-        self._device = device
-        self._non_blocking = non_blocking
+        self._device: torch.device | None = loader.__dict__.get("placement_device")
+        self._ahead: list[Any] = []  # the batch taken ahead, if any
+        self._error: BaseException | None = None  # raised by the batch taken ahead
+        self._registered = True
+        loader.end_of_dataloader = False
+        loader.remainder = _remainder(loader, loader._accelerate_world)
+        loader.gradient_state._add_dataloader(loader)
+
+    def _end(self) -> None:
+        if self._registered:
+            self._registered = False
+            self._loader.gradient_state._remove_dataloader(self._loader)
 
     def __next__(self) -> Any:
-        return send_to_device(next(self._it), self._device, non_blocking=self._non_blocking)
+        loader = self._loader
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        exact = loader._plan.kind in _EXACT_LENGTH
+        if self._ahead:
+            batch = self._ahead.pop()
+        else:
+            # The caller's position without this batch: what the state says until the
+            # look-ahead below returns (a Ctrl-C in it never hands this batch out).
+            before = None if exact else loader._rank_state()
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._end()
+                raise
+            loader._held_state = before
+        last = _known_last(loader)
+        held = None  # the caller's position once it has this batch, while one is held ahead
+        if last is None:
+            # (the loader's own state, without the checks and the warning of state_dict())
+            after = loader._rank_state()
+            try:
+                self._ahead.append(next(self._it))
+                held, last = after, False
+            except StopIteration:
+                last = True
+            except Exception as e:
+                # Our iterator stays usable after a failed batch (on_poison="raise"): the
+                # caller gets this batch now and the error at the next one, in order.
+                self._error, last = e, False
+        loader._held_state = held
+        if last:
+            loader.end_of_dataloader = True
+        if self._device is not None:
+            batch = send_to_device(batch, self._device, non_blocking=loader.pin_memory)
+        return batch
 
 
-# One placing subclass per loader class, made on first use.
-_PLACING: dict[Any, Any] = {}
+# One prepared subclass per loader class, made on first use.
+_PREPARED_CLASSES: dict[Any, Any] = {}
 
 
-def _placing(base: Any) -> Any:
-    """``base`` with batches moved to ``placement_device``: the class of a prepared loader
-    whose device is not the CPU (on the CPU the loader keeps its own class)."""
-    cls = _PLACING.get(base)
+def _prepared_class(base: Any) -> Any:
+    """``base`` run as accelerate runs its loaders (see ``_Epoch``): the class of every loader
+    ``prepare_data_loader`` returns. Its name and module are ``base``'s."""
+    cls = _PREPARED_CLASSES.get(base)
     if cls is None:
 
         def __iter__(self: Any) -> Iterator[Any]:
-            return _Placed(base.__iter__(self), self.placement_device, self.pin_memory)
+            self._held_state = None
+            return _Epoch(self, base.__iter__(self))
 
-        cls = type(base.__name__, (base,), {"__iter__": __iter__, "__module__": base.__module__})
-        _PLACING[base] = cls
+        def state_dict(self: Any) -> dict[str, Any]:
+            held = self.__dict__.get("_held_state")
+            if held is None:
+                return base.state_dict(self)
+            warn_shuffle_buffer(self, "saving")
+            if called_by_dcp():
+                return merge_rank_states(gather(held))
+            return copy.deepcopy(held)
+
+        def load_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._held_state = None
+            return base.load_state_dict(self, *args, **kwargs)
+
+        state_dict.__doc__ = base.state_dict.__doc__
+        load_state_dict.__doc__ = base.load_state_dict.__doc__
+        namespace = {
+            "__iter__": __iter__,
+            "state_dict": state_dict,
+            "load_state_dict": load_state_dict,
+            "__module__": base.__module__,
+            "__doc__": base.__doc__,
+        }
+        cls = type(base.__name__, (base,), namespace)
+        _PREPARED_CLASSES[base] = cls
     return cls
 
 
@@ -108,10 +222,17 @@ def prepare_data_loader(
     ``datasets`` streams are split by rank first); a stream of your own must read its rank.
 
     Batches are moved to ``accelerator.device`` as they are taken, from pinned memory and
-    without blocking when the device is a GPU (the CPU needs no move: the loader keeps its
-    class). ``accelerator.save_state()`` writes the loader's state (every process's, gathered)
-    into its folder and ``accelerator.load_state()`` gives it back, so the next ``iter()``
-    continues where the checkpoint was taken. The original ``loader`` is not used again.
+    without blocking when the device is a GPU (the CPU needs no move). Each epoch runs as
+    accelerate runs its own loaders: the loader is registered with the accelerator's
+    ``GradientState`` while it runs, and ``end_of_dataloader`` is set before the epoch's last
+    batch, so ``accelerator.accumulate`` steps at every epoch's end and ``gather_for_metrics``
+    drops the padding. A loader whose epoch length is not exact (a stream, a sampler of your
+    own) takes one batch ahead to see the end, as accelerate's do; its ``state_dict()`` still
+    gives the position of what the caller took. The loader's class is a subclass of
+    ``loader``'s, with its name. ``accelerator.save_state()`` writes the loader's state (every
+    process's, gathered) into its folder and ``accelerator.load_state()`` gives it back, so the
+    next ``iter()`` continues where the checkpoint was taken. The original ``loader`` is not
+    used again.
 
     Args:
         accelerator: the ``Accelerator`` whose processes, device and checkpoints to use.
@@ -143,11 +264,13 @@ def prepare_data_loader(
         accelerator.num_processes,
         accelerator.process_index,
         seed,
-        cls=_placing(type(loader)) if move else None,
+        cls=_prepared_class(type(loader)),
         pin_memory=True if move and device.type == "cuda" else None,
     )
-    if move:
-        prepared.placement_device = device
+    prepared.placement_device = device if move else None
+    prepared.gradient_state = accelerator.gradient_state
+    prepared._accelerate_world = accelerator.num_processes
+    prepared._held_state = None
     _register(accelerator, prepared)
     return prepared
 

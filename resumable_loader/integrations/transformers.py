@@ -8,7 +8,7 @@ epoch: for a stream it fetches and throws away every one of them; for a map-styl
 builds a new torch loader whose order is drawn from a fresh generator, so from the second
 epoch on it trains other samples than the uninterrupted run did.
 
-``ResumableTrainer`` differs from the ``Trainer`` in three places only:
+``ResumableTrainer`` differs from the ``Trainer`` in four places only:
 
 * ``get_train_dataloader`` builds our loader from the same ``TrainingArguments``, collator
   and train sampler, shared over the processes by torch's ``DistributedSampler`` seeded with
@@ -18,7 +18,10 @@ epoch on it trains other samples than the uninterrupted run did.
 * on ``train(resume_from_checkpoint=...)`` the loader loads that state, and the Trainer's
   skip of the batches already trained is answered by the loader itself: it is already there,
   so nothing is fetched, and the Trainer keeps counting its steps as it always does (gradient
-  accumulation, the epoch's last partial step, its RNG states).
+  accumulation, the epoch's last partial step, its RNG states);
+* for a loader without ``len()``, which the Trainer counts as one epoch of ``max_steps``
+  steps while its loop takes one epoch per pass, ``_init_training_state`` resumes the
+  Trainer at the loader's pass and its position in it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ try:
     import transformers
     import transformers.trainer as _trainer_module
     from transformers import Trainer
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, has_length
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "resumable_loader.integrations.transformers needs Hugging Face transformers (tested "
@@ -53,6 +56,7 @@ STATE_FILE = "resumable_loader.state"
 # The Trainer internals this module relies on; a release without one of them fails here, at
 # import, with the versions tested, rather than mid-training.
 _NEEDED = (
+    "_init_training_state",
     "_run_epoch",
     "_save_checkpoint",
     "_get_train_sampler",
@@ -84,8 +88,9 @@ class ResumableTrainer(Trainer):
     ``seed_worker`` is not passed.
 
     ``train(resume_from_checkpoint=True | path)`` then trains, after the checkpoint, the
-    batches the uninterrupted run trained, step for step, across epoch boundaries, with one or
-    more processes (``torchrun``). ``ignore_data_skip=True`` keeps the Trainer's meaning: the
+    batches the uninterrupted run trained, step for step, across epoch boundaries (also the
+    passes of a stream without ``len()`` under ``max_steps``), with one or more processes
+    (``torchrun``). ``ignore_data_skip=True`` keeps the Trainer's meaning: the
     loader starts its epoch from the beginning.
 
     Args:
@@ -102,6 +107,9 @@ class ResumableTrainer(Trainer):
         self._train_loader: DataLoader[Any] | None = None
         self._resume_dir: str | None = None
         self._resumed_batches: int | None = None
+        # (epoch, batches consumed in it) of the loader state resumed from, until the Trainer
+        # has read it (_init_training_state).
+        self._resumed_at: tuple[int, int] | None = None
 
     # ---- the loader ------------------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader[Any]:
@@ -154,12 +162,33 @@ class ResumableTrainer(Trainer):
         loader = _common.shard(loader, max(1, args.world_size), args.process_index, seed)
         self._train_loader = loader
         self._resumed_batches = None
+        self._resumed_at = None
         if self._resume_dir is not None and not args.ignore_data_skip:
             loader.load_state_dict(
                 _common.read_state(self._resume_dir, STATE_FILE, "ResumableTrainer")
             )
-            self._resumed_batches = loader.state_dict()["consumed"]
+            resumed = loader.state_dict()
+            self._resumed_batches = resumed["consumed"]
+            self._resumed_at = (resumed["epoch"], resumed["consumed"])
         return loader
+
+    def _init_training_state(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        """The Trainer's (epochs trained, batches trained in the current epoch) when it
+        resumes; for a loader without ``len()``, the loader's own position.
+
+        Without a length the Trainer takes the whole run for one epoch of ``max_steps`` steps
+        (``set_initial_training_values``) and counts ``global_step`` times the gradient
+        accumulation as trained in it, but its epoch loop runs one epoch per pass of the
+        loader: each ``_run_epoch`` takes a new ``iter()``, starting ``step`` and the
+        accumulation over. The loader's state says which pass the checkpoint is in (its
+        epoch, which counts the passes as the Trainer's loop does) and how far into it, so the
+        resumed Trainer runs that epoch from there, as the uninterrupted one did."""
+        epochs, batches = super()._init_training_state(*args, **kwargs)
+        at, self._resumed_at = self._resumed_at, None
+        loader = self._train_loader
+        if at is not None and loader is not None and not has_length(loader):
+            epochs, batches = at
+        return epochs, batches
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
