@@ -128,11 +128,7 @@ LOADERS = {
 
 # Blocks known to be wrong, for a reason tracked elsewhere: xfail(strict=True), so that the
 # fix shows up as an XPASS to flip.
-KNOWN_WRONG = {
-    "docs/distributed.md#the-recipe": (
-        "issue 31 item 1: the recipe's start_epoch replays a finished epoch"
-    ),
-}
+KNOWN_WRONG: dict[str, str] = {}
 
 
 # --- extracting the blocks ---------------------------------------------------------------------
