@@ -593,7 +593,8 @@ class SegmentPool:
         if seg is None:
             return -1
         off = storage.data_ptr() - seg.base
-        return off if 0 <= off < seg.size else -1
+        # Its whole extent, not only its start: it travels as (offset, its own length).
+        return off if off >= 0 and off + storage.nbytes() <= seg.size else -1
 
 
 _torch_new_shared = torch.storage._StorageBase.__dict__["_new_shared"].__func__
@@ -957,7 +958,7 @@ class _Outbox:
         # receiver (its unpickling gives it back): given back here if the message is not sent.
         self.lent: list[torch.UntypedStorage] = []
         # Storages bound for shared memory, in slot order, until ``_place`` decides how each
-        # travels; ``slot_of`` maps a storage's data pointer to its slot.
+        # travels; ``slot_of`` maps a storage (``_identity``) to its slot.
         self.slots: list[torch.UntypedStorage] = []
         self.slot_of: dict[int, int] = {}
         # The packed segment: it owns the fd in ``fds`` until the message is sent.
@@ -968,9 +969,10 @@ class _Outbox:
         self.pool_seg: _Segment | None = None
         self.pooled_bytes = 0
         self.pool_sent: tuple[bool, int] = (False, 0)  # see ``_pool_info``
-        # Small storages copied into the message, by data pointer: one bytearray per storage,
-        # which pickle's memo sends once, so tensors that shared it still share it when rebuilt.
-        self.small: dict[int, bytearray] = {}
+        # Small storages copied into the message (``_identity`` -> the storage, kept alive so
+        # that its key cannot be reused, and its bytes): one bytearray per storage, which
+        # pickle's memo sends once, so tensors that shared it still share it when rebuilt.
+        self.small: dict[int, tuple[torch.UntypedStorage, bytearray]] = {}
 
     def unsent(self) -> None:
         """The message did not reach the receiver: return the references taken for it, or
@@ -1003,7 +1005,8 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     if out.shm or storage.is_shared():
         # Placed once the whole message is pickled (``_place``); the same storage reached
         # through two tensors takes one slot, so the tensors still share it on the other side.
-        key = storage.data_ptr()
+        # (``out.slots`` keeps the storage alive: its key is not reused in this message.)
+        key = _identity(storage)
         slot = out.slot_of.get(key)
         if slot is None:
             slot = out.slot_of[key] = len(out.slots)
@@ -1012,12 +1015,23 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     return _fallback(out, storage)
 
 
+def _identity(storage: torch.UntypedStorage) -> int:
+    """Which storage this is, as torch counts them: its StorageImpl (every tensor and Python
+    object of one storage has the same). Not its data pointer: two storages may start at one
+    address and differ in size -- ``torch.from_numpy(a)`` and ``torch.from_numpy(a[:-1])`` --
+    and each must arrive with its own bytes (issue #31 item 3). As in torch's own loader,
+    distinct storages arrive as distinct copies, even where their memory overlapped in the
+    worker; the tensors of one storage still share it on arrival. Unique only while the storage
+    lives: a key is kept only next to a reference to its storage."""
+    return int(storage._cdata)
+
+
 def _small_bytes(out: _Outbox, storage: torch.UntypedStorage, nbytes: int) -> bytearray:
-    key = storage.data_ptr()
-    data = out.small.get(key)
-    if data is None:
-        data = out.small[key] = bytearray(ctypes.string_at(key, nbytes))
-    return data
+    key = _identity(storage)
+    held = out.small.get(key)
+    if held is None:
+        held = out.small[key] = (storage, bytearray(ctypes.string_at(storage.data_ptr(), nbytes)))
+    return held[1]
 
 
 def _rebuild_small_storage(data: bytearray) -> torch.UntypedStorage:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -192,3 +193,135 @@ def test_a_result_travels_as_a_plain_tuple_and_comes_back_the_same() -> None:
         back = result_from_wire(pickle.loads(pickle.dumps(wire)))
         assert back == msg and type(back) is Result
         assert type(back.status) is Status and back.status is status
+
+
+# ---- identity: storages that start at one address (issue #31 item 3) ------------------------
+class _OneArray(torch.utils.data.Dataset):
+    """Sample i: tensors cut from one numpy array, as a language-model dataset cuts its inputs
+    and labels from one token array. Several storages start at one address, or overlap."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        import numpy as np
+
+        a = np.arange(self.n, dtype=np.int64) * 3 + i
+        whole = torch.from_numpy(a)
+        return {
+            "inputs": torch.from_numpy(a[:-1]),  # starts where "ids" does, and comes first
+            "ids": whole,
+            "labels": torch.from_numpy(a[1:]),  # its tail: another start, overlapping
+            "again": torch.from_numpy(a),  # the same bytes, another storage
+            "middle": torch.from_numpy(a[2:-2]),
+            "head": whole[:-1],  # views of one storage ("ids"'s): they share it in torch too
+            "tail": whole[1:],
+        }
+
+
+def _list_collate(samples: list[Any]) -> list[Any]:
+    return list(samples)
+
+
+def _tensors(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a batch, by its path."""
+    if isinstance(obj, torch.Tensor):
+        return {path: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(_tensors(value, f"{path}/{key}"))
+    return out
+
+
+def _sharing(batch: Any) -> set[tuple[str, str]]:
+    """The pairs of tensors whose storages overlap in memory: what writing into one changes."""
+    found = _tensors(batch)
+    spans = {}
+    for path, t in found.items():
+        start = t.untyped_storage().data_ptr()
+        spans[path] = (start, start + t.untyped_storage().nbytes())
+    names = sorted(spans)
+    return {
+        (a, b)
+        for k, a in enumerate(names)
+        for b in names[k + 1 :]
+        if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+    }
+
+
+def _same_arrival(ours: list[Any], theirs: list[Any]) -> None:
+    from resumable_loader.testing import canonical
+
+    assert len(ours) == len(theirs)
+    for k, (mine, ref) in enumerate(zip(ours, theirs)):
+        assert canonical(mine) == canonical(ref), f"batch {k}: other values than torch's"
+        assert _sharing(mine) == _sharing(ref), f"batch {k}: other sharing than torch's"
+
+
+@pytest.mark.parametrize("n", [16, 8192], ids=["small", "over-32KiB"])
+@pytest.mark.parametrize("how", ["batch_size=None", "list_collate", "default_collate"])
+def test_storages_that_start_at_one_address_arrive_as_torchs_loader_delivers_them(
+    n: int, how: str
+) -> None:
+    """Issue #31 item 3: storages were told apart by their address alone, so the shorter of
+    ``from_numpy(a)`` and ``from_numpy(a[:-1])`` arrived with the other's length and values
+    (small), or the batch could not be rebuilt at all (over 32 KiB: "Trying to resize storage
+    that is not resizable"), and the worker was killed for it. Each must arrive with torch's
+    values, and share memory on arrival exactly where torch's loader's batch does."""
+    from _datasets import collect_torch_reference_garbage
+    from torch.utils.data import DataLoader as TorchLoader
+
+    from resumable_loader import DataLoader
+
+    kw: dict[str, Any] = {"batch_size": None}
+    if how != "batch_size=None":
+        kw = {"batch_size": 2}
+        if how == "list_collate":
+            kw["collate_fn"] = _list_collate
+    common = dict(num_workers=2, multiprocessing_context="fork", pin_memory=False, **kw)
+    theirs = list(TorchLoader(_OneArray(n), **common))
+    collect_torch_reference_garbage()
+    with DataLoader(_OneArray(n), **common) as loader:
+        ours = list(loader)
+    if how == "batch_size=None":
+        # The reference checked too: torch's batches are the samples as the dataset makes them.
+        from resumable_loader.testing import canonical
+
+        direct = [_OneArray(n)[i] for i in range(4)]
+        assert [canonical(b) for b in theirs] == [canonical(b) for b in direct]
+    _same_arrival(ours, theirs)
+
+
+@pytest.mark.parametrize("n", [16, 8192, 40_000], ids=["small", "solo-fds", "packed"])
+def test_the_transport_keeps_storages_apart_by_identity_not_address(n: int) -> None:
+    """The transport alone, without shared memory in the sender (each large storage is shared
+    at send): storages that start at one address, overlap, or lie over the same bytes arrive
+    each with its own values, as distinct copies; the views of one storage still share it.
+    ``n=40_000`` has more large storages than ``MAX_FDS_PER_MSG``: they are packed into one
+    segment, which must not merge them either."""
+    import numpy as np
+
+    from resumable_loader import _transport
+
+    a = np.arange(n, dtype=np.int64) * 7
+    whole = torch.from_numpy(a)
+    sent: dict[str, Any] = {
+        "short": torch.from_numpy(a[:-3]),
+        "whole": whole,
+        "view": whole[: n // 2],  # whole's own storage, through torch's path
+    }
+    if n == 40_000:
+        # Five distinct storages over the same bytes or their start: more than one fd each.
+        sent.update({f"cut{k}": torch.from_numpy(a[: n - k]) for k in range(1, 4)})
+        assert len(sent) - 1 > _transport.MAX_FDS_PER_MSG
+    want = {k: v.clone() for k, v in sent.items()}
+    got = _round_trip(sent)
+    for key, value in want.items():
+        assert got[key].shape == value.shape, key
+        assert torch.equal(got[key], value), key
+    shared = _sharing(got)
+    assert shared == {("/view", "/whole")}, f"only the views of one storage share: {shared}"
