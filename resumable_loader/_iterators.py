@@ -716,7 +716,8 @@ class MultiProcessIter(BaseIter):
     def _on_lost(self, event: Lost) -> None:
         if event.msg.gen != self._disp.gen:
             return  # from an epoch abandoned with persistent workers
-        for tid, item in self._recovery.on_lost(event.slot, event.msg.tid, event.msg.error):
+        msg = event.msg
+        for tid, item in self._recovery.on_lost(event.slot, msg.tid, msg.error, msg.blame):
             if not self._reorder.put(tid, item):
                 self._counters.duplicates_dropped += 1
 

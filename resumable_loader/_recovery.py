@@ -34,7 +34,6 @@ from ._errors import WorkerCrashError
 from ._protocol import Delivery, Status
 from ._stats import Counters
 from ._supervisor import DeathReport, Supervisor, WorkerSlot
-from ._transport import FdLimitError
 from ._worker import WorkerError
 
 log = logging.getLogger("resumable_loader")
@@ -147,14 +146,15 @@ class Recovery:
         return out
 
     def on_lost(
-        self, slot: WorkerSlot, tid: int, error: BaseException
+        self, slot: WorkerSlot, tid: int, error: BaseException, blame: str
     ) -> list[tuple[int, Delivery]]:
         """Task ``tid``'s result came from ``slot`` whole, and unpickling it here raised
-        ``error``: what to deliver. The worker is healthy and keeps its other tasks; the task
-        is not sent again (its result would be the same), whatever ``on_poison`` says -- like
-        an exception of the dataset, the error goes to the task's position and the iterator
-        goes on. A stream's shard ends there, as after a poison task: the result held its state,
-        and a shard cannot resume past a state it never read."""
+        ``error`` (``blame``: whose failure that most likely is): what to deliver. The worker
+        is healthy and keeps its other tasks; the task is not sent again (its result would be
+        the same), whatever ``on_poison`` says -- like an exception of the dataset, the error
+        goes to the task's position and the iterator goes on. A stream's shard ends there, as
+        after a poison task: the result held its state, and a shard cannot resume past a state
+        it never read."""
         task = self.disp.tasks.get(tid)
         if task is None or task.worker != slot.wid:
             return []  # a duplicate of a result already taken, or a task given up
@@ -164,20 +164,11 @@ class Recovery:
             f"be rebuilt in the main process ({type(error).__name__}: {error})"
         )
         log.warning("DataLoader %s", line)
-        if isinstance(error, FdLimitError):
-            why = "This process had no file descriptor left to map it: see above for what to do."
-        else:
-            why = (
-                "It would come back the same, so it is not loaded again. Either the batch holds "
-                "something the main process cannot rebuild (a class it cannot import, a "
-                "__setstate__ or __reduce__ that fails there: see the cause below), or this is "
-                "a bug in resumable_loader (please report it, with this traceback)."
-            )
         message = (
             f"DataLoader could not rebuild the result of {what} of epoch {self.epoch}: worker "
             f"{slot.wid} (pid {slot.pid}) loaded it and sent it whole, and unpickling it in the "
             f"main process raised {type(error).__name__}: {error}. The worker did not fail and "
-            f"goes on, and the batch is given up. {why}"
+            f"goes on; the batch is given up, not loaded again. {blame}"
         )
         self.disp.drop(tid)
         extra, ends = self.source.poisoned(self.disp, slot)

@@ -1365,12 +1365,14 @@ class ChannelClosed(Exception):
 class Undecodable(NamedTuple):
     """What ``Receiver.feed`` returns for a message that arrived whole but could not be
     rebuilt (unpickled) here. ``gen``, ``tid``: its tag (a result's epoch generation and task
-    id; -1 -1: not a result); ``error``: what unpickling raised, its frames cleared (nothing
-    half-rebuilt stays mapped through them), its traceback kept for the report."""
+    id; -1 -1: not a result); ``error``: what unpickling raised, without its frames (nothing
+    half-rebuilt stays alive through them), its traceback kept as text for the report;
+    ``blame``: whose failure it most likely is, in a sentence (see ``_blame``)."""
 
     gen: int
     tid: int
     error: BaseException
+    blame: str
 
 
 class Receiver:
@@ -1502,9 +1504,9 @@ class Receiver:
         self._short = False
         while True:
             if self._payload_len < 0 and len(self._buf) >= _HEADER.size:
-                head = _HEADER.unpack_from(self._buf)
-                self._payload_len, self._need_fds, self._body_len = head[:3]
-                self._tag = (head[3], head[4])
+                length, nfds, body_len, gen, tid = _HEADER.unpack_from(self._buf)
+                self._payload_len, self._need_fds, self._body_len = length, nfds, body_len
+                self._tag = (gen, tid)
                 del self._buf[: _HEADER.size]
                 if self._payload_len > _RECV_CHUNK and len(self._buf) < self._payload_len:
                     # Large: receive the rest in place, straight into its final buffer.
@@ -1548,7 +1550,8 @@ class Receiver:
         try:
             return self._decode(payload, self._body_len, fds)
         except Exception as exc:
-            return Undecodable(*self._tag, _without_frames(exc))
+            blame = _blame(exc)
+            return Undecodable(*self._tag, _without_frames(exc), blame)
 
     def _decode(self, payload: bytes | bytearray, body_len: int, fds: list[int]) -> Any:
         if not fds and body_len == len(payload):
@@ -1613,6 +1616,49 @@ class Receiver:
         # Batches still held keep their segments mapped through their leases.
         self._pool_segs.clear()
         self.sock.close()
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _blame(exc: BaseException) -> str:
+    """Whose failure it most likely is that a message could not be unpickled here, read from
+    where ``exc`` was raised: in our rebuilding of tensors and storages (ours, or torch's on
+    our behalf) it is a bug of ours; in code of the batch's own (a ``__setstate__``, a
+    reduce function) or in looking up a class the main process does not have, the batch's."""
+    if isinstance(exc, FdLimitError):
+        return "This process had no file descriptor left to map it: see above for what to do."
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return "The error came with no traceback to say where it was raised."
+    code = last.tb_frame.f_code
+    ours = (
+        "It was raised while the loader rebuilt the batch's tensors: a bug in "
+        "resumable_loader -- please report it, with this traceback."
+    )
+    if code is Receiver._decode.__code__:
+        # Raised by the unpickler itself, not in a function it called.
+        if isinstance(exc, (ImportError, AttributeError)):
+            return (
+                "The batch refers to a class or function the main process cannot import "
+                "(one defined only where the workers load it): define it in a module both "
+                "import."
+            )
+        return (
+            "Either the batch holds something the main process cannot unpickle, or this is "
+            "a bug in resumable_loader (then please report it, with this traceback)."
+        )
+    path = os.path.abspath(code.co_filename)
+    if path.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        return ours
+    return (
+        f"It was raised by the batch's own code while it was rebuilt ({code.co_name}, "
+        f"{path}:{last.tb_lineno}): the batch holds an object that cannot be rebuilt in the "
+        "main process."
+    )
 
 
 def _without_frames(exc: BaseException) -> BaseException:

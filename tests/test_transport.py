@@ -462,7 +462,8 @@ def test_a_result_the_main_process_cannot_rebuild_names_its_task_and_kills_no_wo
     err = errors[0]
     text = str(err)
     assert "samples [0, 1] (task 0)" in text and "worker 0 (pid" in text, text
-    assert "could not rebuild" in text and "resumable_loader" in text, text
+    assert "could not rebuild" in text and "_rebuild_refused_here" in text, text
+    assert "batch's own code" in text and "bug in resumable_loader" not in text, text
     assert "failed to start" not in text and "worker_init_fn" not in text, text
     assert err.task_id == 0 and err.indices == [0, 1]
     assert isinstance(err.__cause__, ValueError) and "value 1" in str(err.__cause__)
@@ -512,3 +513,62 @@ def test_a_stream_result_that_cannot_be_rebuilt_ends_that_shard_and_kills_no_wor
     assert "stream batch 2 of worker 0" in str(err) and "stream ends here" in str(err), err
     assert "failed to start" not in str(err) and isinstance(err.__cause__, ValueError)
     assert stats.respawns == 0, stats
+
+
+class _BadBytesForOurRebuild:
+    """Reduced to our own small-tensor rebuild with bytes that do not fit its dtype: the main
+    process fails inside the loader's code, as it did for issue #31's mixed-up storages."""
+
+    def __reduce__(self) -> Any:
+        from resumable_loader import _transport
+
+        return (_transport._rebuild_small_tensor, (bytearray(3), torch.int64, (1,)))
+
+
+def _class_from_a_module_the_receiver_lacks() -> Any:
+    """An instance of a class whose module exists while it is pickled, then is gone -- as a
+    class defined in a module only the workers import."""
+    import sys
+    import types
+
+    module = types.ModuleType("_only_in_workers")
+    exec("class OnlyInWorkers:\n    pass\n", module.__dict__)
+    sys.modules["_only_in_workers"] = module
+    return module.OnlyInWorkers()
+
+
+@pytest.mark.parametrize("case", ["batch's code", "missing class", "our rebuild"])
+def test_an_undecodable_message_says_whose_failure_it_most_likely_is(case: str) -> None:
+    """ "Our bug or the sample's; say which": read from where unpickling failed -- in code of
+    the batch's own, in finding a class the main process lacks, or inside the loader's own
+    rebuilding of tensors."""
+    import socket
+    import sys
+
+    from resumable_loader._transport import Receiver, Undecodable, send
+
+    ours, theirs = socket.socketpair()
+    recv = Receiver(ours)
+    try:
+        if case == "batch's code":
+            send(theirs, ("batch", _RefusedHere(1)), tag=(0, 5))
+        elif case == "missing class":
+            send(theirs, ("batch", _class_from_a_module_the_receiver_lacks()), tag=(0, 5))
+            del sys.modules["_only_in_workers"]
+        else:
+            send(theirs, ("batch", _BadBytesForOurRebuild()), tag=(0, 5))
+        (lost,) = recv.feed()
+    finally:
+        sys.modules.pop("_only_in_workers", None)
+        theirs.close()
+        recv.close()
+    assert isinstance(lost, Undecodable) and lost.tid == 5, lost
+    if case == "batch's code":
+        assert "batch's own code" in lost.blame and "_rebuild_refused_here" in lost.blame
+        assert "test_transport.py" in lost.blame, lost.blame
+    elif case == "missing class":
+        assert isinstance(lost.error, (ImportError, AttributeError)), lost.error
+        assert "cannot import" in lost.blame, lost.blame
+    else:
+        assert "bug in resumable_loader" in lost.blame and "report" in lost.blame, lost.blame
+    assert "batch's own code" not in lost.blame or case == "batch's code"
