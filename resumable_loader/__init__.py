@@ -24,10 +24,10 @@ module, in the order a batch meets them.
    it from an EpochSetup, and keeps its Cursor.
  supervisor (_supervisor): waits on every result socket, process sentinel and a SIGCHLD
    wake-up pipe, polls liveness, enforces task_timeout; reports results and deaths as typed
-   events (Arrived, Died).
+   events (Arrived, Died; Lost: a result that came whole and cannot be rebuilt).
  recovery (_recovery): turns a death report into decisions -- blame, attempts, poison or
    skip, respawn, EPOCH, re-send (where to, the task source says) -- which the iterator only
-   sees as items or a fatal error.
+   sees as items or a fatal error; a lost result into the error at its task's position.
  lifecycle (_lifecycle): the iterator's states (open → finished / abandoned / broken / closed)
    and the Cursor: the position, read from the reorder buffer, dispatcher and task source,
    frozen when the iterator ends, kept by the loader until the next iter().

@@ -23,7 +23,9 @@ class CheckpointError(ValueError):
 
 
 class WorkerCrashError(RuntimeError):
-    """Workers kept dying (or hanging) on the same task, or respawned faster than is sane.
+    """Workers kept dying (or hanging) on the same task, or respawned faster than is sane --
+    or a task's result arrived but could not be rebuilt in the main process (its ``__cause__``
+    is the unpickling error; the worker was not restarted).
 
     Attributes:
         task_id: the task (batch number within the epoch) that could not be loaded, if any.

@@ -43,7 +43,7 @@ from ._seeding import (
     seeds_of,
 )
 from ._stats import Counters
-from ._supervisor import Arrived, DeathReport, Supervisor, WorkerSlot
+from ._supervisor import Arrived, DeathReport, Lost, Supervisor, WorkerSlot
 from ._tasks import MapTasks, StreamTasks, TaskSource
 from ._worker import (
     END,
@@ -689,6 +689,8 @@ class MultiProcessIter(BaseIter):
         for event in self._sup.poll(timeout):
             if isinstance(event, Arrived):
                 self._on_result(event.slot, event.msg)
+            elif isinstance(event, Lost):
+                self._on_lost(event)
             else:
                 self._on_dead(event.slot, event.report)
         if self._pin is not None:
@@ -712,6 +714,14 @@ class MultiProcessIter(BaseIter):
             self._pin.submit(tid, item)
         elif not self._reorder.put(tid, item):
             self._counters.duplicates_dropped += 1
+
+    def _on_lost(self, event: Lost) -> None:
+        if event.msg.gen != self._disp.gen:
+            return  # from an epoch abandoned with persistent workers
+        msg = event.msg
+        for tid, item in self._recovery.on_lost(event.slot, msg.tid, msg.error, msg.blame):
+            if not self._reorder.put(tid, item):
+                self._counters.duplicates_dropped += 1
 
     def _on_dead(self, slot: WorkerSlot, report: DeathReport) -> None:
         outcome = self._recovery.on_death(slot, report)

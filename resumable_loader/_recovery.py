@@ -15,6 +15,10 @@ decides what follows and carries it out on the supervisor and the dispatcher:
                  ──► respawn the same worker id (a respawn storm is fatal), send it the epoch,
                      re-send its tasks (map-style tasks go to any ready worker at once)
 
+    a result that arrived whole but cannot be rebuilt here (``on_lost``) is no death: the
+    worker goes on, nothing is retried (it would come back the same), and a WorkerCrashError
+    naming the task, its samples and the worker goes to that task's position
+
 The iterator only sees the ``Outcome``: items to put into the reorder buffer at their task's
 position (errors, skips, stream ends) or a fatal error to break with.
 """
@@ -140,6 +144,42 @@ class Recovery:
         out.deliver.extend(self.source.after_respawn(self.disp, slot))
         self._log_resent(slot, report, [t for t in tids if t in self.disp.tasks])
         return out
+
+    def on_lost(
+        self, slot: WorkerSlot, tid: int, error: BaseException, blame: str
+    ) -> list[tuple[int, Delivery]]:
+        """Task ``tid``'s result came from ``slot`` whole, and unpickling it here raised
+        ``error`` (``blame``: whose failure that most likely is): what to deliver. The worker
+        is healthy and keeps its other tasks; the task is not sent again (its result would be
+        the same), whatever ``on_poison`` says -- like an exception of the dataset, the error
+        goes to the task's position and the iterator goes on. A stream's shard ends there, as
+        after a poison task: the result held its state, and a shard cannot resume past a state
+        it never read."""
+        task = self.disp.tasks.get(tid)
+        if task is None or task.worker != slot.wid:
+            return []  # a duplicate of a result already taken, or a task given up
+        what = self.source.describe(task)
+        line = (
+            f"worker {slot.wid} (pid {slot.pid}) sent the result of {what}, and it could not "
+            f"be rebuilt in the main process ({type(error).__name__}: {error})"
+        )
+        log.warning("DataLoader %s", line)
+        message = (
+            f"DataLoader could not rebuild the result of {what} of epoch {self.epoch}: worker "
+            f"{slot.wid} (pid {slot.pid}) loaded it and sent it whole, and unpickling it in the "
+            f"main process raised {type(error).__name__}: {error}. The worker did not fail and "
+            f"goes on; the batch is given up, not loaded again. {blame}"
+        )
+        self.disp.drop(tid)
+        extra, ends = self.source.poisoned(self.disp, slot)
+        if extra is not None:
+            message += (
+                f" Worker {slot.wid}'s stream ends here this epoch: the lost result held its "
+                "state, and a stream cannot resume past a state it never read."
+            )
+        err = WorkerCrashError(message, task_id=tid, indices=task.payload, attempts=(line,))
+        err.__cause__ = error
+        return [*ends, (tid, Delivery(POISON, err, extra))]
 
     def _is_transient(self, err: WorkerError) -> bool:
         return err.exc_type is not None and issubclass(err.exc_type, self.transient)

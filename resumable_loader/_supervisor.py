@@ -6,6 +6,8 @@
                     ─ every process sentinel     Died(slot, DeathReport) ─► recovery decides;
                     ─ a SIGCHLD wake-up pipe       it calls respawn(), the task source re-sends
                     ─ (timeout) liveness polling + task_timeout
+                                                 Lost(slot, Undecodable): a result that came whole
+                                                 and cannot be rebuilt here; the worker is fine
 
 Detection is by waiting, not guessing: a sentinel becomes readable when the process exits; a
 SIGCHLD handler (installed from the main thread, chained to any earlier handler) writes to the
@@ -65,7 +67,7 @@ from ._protocol import (
     result_from_wire,
 )
 from ._taskpipe import send_task
-from ._transport import LoaderPool, Receiver
+from ._transport import LoaderPool, Receiver, Undecodable
 from ._worker import WorkerError, WorkerSpec, worker_main
 
 log = logging.getLogger("resumable_loader")
@@ -312,7 +314,15 @@ class Died(NamedTuple):
     report: DeathReport
 
 
-Event = Arrived | Died
+class Lost(NamedTuple):
+    """Event: a task's result from ``slot`` arrived whole but could not be rebuilt in this
+    process (``msg.error``). Not a death: the worker goes on; recovery names the task."""
+
+    slot: WorkerSlot
+    msg: Undecodable
+
+
+Event = Arrived | Died | Lost
 
 
 class SupervisorStatistics(NamedTuple):
@@ -702,7 +712,9 @@ class Supervisor:
             # anything left); a dead one's to its end, its last words included.
             msgs = conn.feed(drain=slot in dead)
         except Exception as exc:
-            # A message that cannot be unpickled: the result is lost, the worker replaced.
+            # The channel broke (fds dropped by the kernel): what is left in it cannot be
+            # framed, so the worker is replaced. (A message that came whole but cannot be
+            # unpickled is no such thing: an Undecodable, below.)
             dead[slot] = (f"sent a result that could not be received ({exc!r})", True)
             return
         if conn.received != before:
@@ -736,20 +748,53 @@ class Supervisor:
             elif isinstance(msg, InitError):
                 slot.init_error = msg.error
                 dead[slot] = ("failed to start", False)
+            elif isinstance(msg, Undecodable):
+                self._undecodable(slot, msg, dead, events)
             else:
                 # Not one of ours: a worker that sends it is not running our code.
                 dead[slot] = (f"sent an unknown message {type(msg).__name__}", True)
+        self._channel_end(slot, conn, dead)
+
+    @staticmethod
+    def _channel_end(
+        slot: WorkerSlot, conn: Receiver, dead: dict[WorkerSlot, tuple[str, bool]]
+    ) -> None:
+        """After a read's messages: whether the channel says the worker is gone or broken."""
+        if conn.failure is not None:
+            # The channel broke after the messages just handled (first: a READY among them
+            # makes this a death of a started worker, not a failed start).
+            why = f"sent a result that could not be received ({conn.failure!r})"
+            dead.setdefault(slot, (why, True))
         if conn.eof:
             # The writer is gone: a death, described by its exit status once reaped.
             dead.setdefault(slot, ("", False))
 
-    def _end_grant(self, slot: WorkerSlot, msg: Result) -> None:
+    def _undecodable(
+        self,
+        slot: WorkerSlot,
+        msg: Undecodable,
+        dead: dict[WorkerSlot, tuple[str, bool]],
+        events: list[Event],
+    ) -> None:
+        """A message from ``slot`` came whole and cannot be rebuilt here."""
+        if msg.tid < 0:
+            # Not a result, so no task to name: one of our own messages that cannot be read.
+            dead[slot] = (f"sent a message that could not be rebuilt ({msg.error!r})", True)
+            return
+        # A result: the worker made it and sent it, so it is not dead (nor a failed start);
+        # recovery names the task.
+        self.respawns_without_progress = 0
+        if self.pool is not None:
+            self._end_grant(slot, msg)
+        events.append(Lost(slot, msg))
+
+    def _end_grant(self, slot: WorkerSlot, msg: Result | Undecodable) -> None:
         """The pooled segment lent for ``msg``'s task is the caller's batch now (or free)."""
         pool = self.pool
         assert pool is not None
         pool.ended += 1
         if pool.grants:
-            pool.end((slot.wid, msg.gen, msg.tid))
+            pool.end((slot.wid, msg.gen, msg.tid), not isinstance(msg, Undecodable))
             if msg.gen > self._pool_gen.get(slot.wid, msg.gen):
                 pool.end_before(slot.wid, msg.gen)  # it dropped its older tasks
         self._pool_gen[slot.wid] = msg.gen

@@ -8,11 +8,18 @@ the message with SCM_RIGHTS, so a received message needs nothing more from its s
 main side reads without ever blocking (``Receiver.feed``), so a worker stopped halfway through a
 send cannot stall it either.
 
-Frame: header ``<QIQ`` (payload length, number of fds, body length) sent with the fds
+Frame: header ``<QIQqq`` (payload length, number of fds, body length, and the message's tag:
+a result's epoch generation and task id, -1 -1 for other messages) sent with the fds
 attached, then the payload: the pickled message (the body), then -- when the message holds
 storages that travel through shared memory -- the pickled slot table that says how each of them
 travels. Storages of at most ``INLINE_MAX`` bytes are copied into the body instead: for small
 batches that is cheaper than passing and mapping an fd.
+
+A message that arrives whole but cannot be rebuilt here (unpickling it raises: a class the
+main process cannot import, a rebuild that fails, no fd left to map it) is not a broken
+channel: its frame is known, so the messages before and after it are read as usual, and it is
+returned as ``Undecodable`` with its tag and the error -- the main process can then name the
+task it was, instead of taking a healthy worker for a dead one (issue #31 item 3).
 
 One fd per batch (issue #11): every storage that travels through shared memory takes a slot
 while the message is pickled; only then, with all of them known, is each placed. A batch of at
@@ -73,6 +80,7 @@ import struct
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -81,12 +89,15 @@ from typing import Any, NamedTuple
 import torch
 from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
+from ._errors import RemoteTraceback
 from ._shm import reserve
 
 # 64-bit lengths: a message of any size torch's own pipe would carry (multiprocessing frames
 # over 2 GiB with an 8-byte length too) can be framed -- a batch copied inline over 4 GiB (a
 # non-tensor batch, or a large one that found /dev/shm full) included (issue #25).
-_HEADER = struct.Struct("<QIQ")
+_HEADER = struct.Struct("<QIQqq")
+# The tag of a message that is not a task's result.
+NO_TAG = (-1, -1)
 # At most this many fds per message (see the module docstring): enough for the batches whose
 # few large storages are best sent as they lie, few enough that num_workers x prefetch_factor
 # batches in flight stay far below a 1024-fd limit.
@@ -593,7 +604,8 @@ class SegmentPool:
         if seg is None:
             return -1
         off = storage.data_ptr() - seg.base
-        return off if 0 <= off < seg.size else -1
+        # Its whole extent, not only its start: it travels as (offset, its own length).
+        return off if off >= 0 and off + storage.nbytes() <= seg.size else -1
 
 
 _torch_new_shared = torch.storage._StorageBase.__dict__["_new_shared"].__func__
@@ -868,13 +880,20 @@ class LoaderPool:
         ids.add(seg.id)
         return True
 
-    def end(self, key: tuple[int, int, int]) -> None:
+    def end(self, key: tuple[int, int, int], rebuilt: bool = True) -> None:
         """Task ``key``'s result arrived: its grant ends (its segment holds the batch, if
-        the worker used it: the lease of the rebuilt storages has it now)."""
+        the worker used it: the lease of the rebuilt storages has it now).
+
+        ``rebuilt=False``: it arrived but could not be rebuilt (``Undecodable``): nothing of
+        it is held here, so the flag its worker set for it is cleared -- unless a lease made
+        before the failure still lives (its end clears it)."""
         sid = self.grants.pop(key, None)
         seg = self.segments.get(sid) if sid is not None else None
         if seg is not None:
             seg.grant = None
+            if not rebuilt and seg.mapped() and not seg.mapping.leases:  # type: ignore[union-attr]
+                seg.mapping.flag.value = 0  # type: ignore[union-attr]
+                seg.filled = False
             if seg.filled:
                 seg.filled = False
                 seg.since = key[1:]
@@ -957,7 +976,7 @@ class _Outbox:
         # receiver (its unpickling gives it back): given back here if the message is not sent.
         self.lent: list[torch.UntypedStorage] = []
         # Storages bound for shared memory, in slot order, until ``_place`` decides how each
-        # travels; ``slot_of`` maps a storage's data pointer to its slot.
+        # travels; ``slot_of`` maps a storage (``_identity``) to its slot.
         self.slots: list[torch.UntypedStorage] = []
         self.slot_of: dict[int, int] = {}
         # The packed segment: it owns the fd in ``fds`` until the message is sent.
@@ -968,9 +987,10 @@ class _Outbox:
         self.pool_seg: _Segment | None = None
         self.pooled_bytes = 0
         self.pool_sent: tuple[bool, int] = (False, 0)  # see ``_pool_info``
-        # Small storages copied into the message, by data pointer: one bytearray per storage,
-        # which pickle's memo sends once, so tensors that shared it still share it when rebuilt.
-        self.small: dict[int, bytearray] = {}
+        # Small storages copied into the message (``_identity`` -> the storage, kept alive so
+        # that its key cannot be reused, and its bytes): one bytearray per storage, which
+        # pickle's memo sends once, so tensors that shared it still share it when rebuilt.
+        self.small: dict[int, tuple[torch.UntypedStorage, bytearray]] = {}
 
     def unsent(self) -> None:
         """The message did not reach the receiver: return the references taken for it, or
@@ -1003,7 +1023,8 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     if out.shm or storage.is_shared():
         # Placed once the whole message is pickled (``_place``); the same storage reached
         # through two tensors takes one slot, so the tensors still share it on the other side.
-        key = storage.data_ptr()
+        # (``out.slots`` keeps the storage alive: its key is not reused in this message.)
+        key = _identity(storage)
         slot = out.slot_of.get(key)
         if slot is None:
             slot = out.slot_of[key] = len(out.slots)
@@ -1012,12 +1033,23 @@ def _reduce_storage(out: _Outbox, storage: torch.UntypedStorage) -> Any:
     return _fallback(out, storage)
 
 
+def _identity(storage: torch.UntypedStorage) -> int:
+    """Which storage this is, as torch counts them: its StorageImpl (every tensor and Python
+    object of one storage has the same). Not its data pointer: two storages may start at one
+    address and differ in size -- ``torch.from_numpy(a)`` and ``torch.from_numpy(a[:-1])`` --
+    and each must arrive with its own bytes (issue #31 item 3). As in torch's own loader,
+    distinct storages arrive as distinct copies, even where their memory overlapped in the
+    worker; the tensors of one storage still share it on arrival. Unique only while the storage
+    lives: a key is kept only next to a reference to its storage."""
+    return int(storage._cdata)
+
+
 def _small_bytes(out: _Outbox, storage: torch.UntypedStorage, nbytes: int) -> bytearray:
-    key = storage.data_ptr()
-    data = out.small.get(key)
-    if data is None:
-        data = out.small[key] = bytearray(ctypes.string_at(key, nbytes))
-    return data
+    key = _identity(storage)
+    held = out.small.get(key)
+    if held is None:
+        held = out.small[key] = (storage, bytearray(ctypes.string_at(storage.data_ptr(), nbytes)))
+    return held[1]
 
 
 def _rebuild_small_storage(data: bytearray) -> torch.UntypedStorage:
@@ -1269,10 +1301,17 @@ def dumps(
     return buf.getvalue(), body_len, out.fds, out
 
 
-def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bool = True) -> None:
+def send(
+    sock: socket.socket,
+    obj: Any,
+    policy: ShmPolicy | None = None,
+    shm: bool = True,
+    tag: tuple[int, int] = NO_TAG,
+) -> None:
     """Worker side: send one message (blocking). Pickling errors raise before any byte is sent.
 
-    ``policy``/``shm``: see ``ShmPolicy`` and ``dumps``.
+    ``policy``/``shm``: see ``ShmPolicy`` and ``dumps``. ``tag``: a result's (generation,
+    task id), readable on arrival without unpickling (see ``Undecodable``).
     """
     payload, body_len, fds, out = dumps(obj, policy, shm)
     pool, seg = out.pool, out.pool_seg
@@ -1280,7 +1319,7 @@ def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bo
         # Lent before a byte goes out: the main process may give it back as soon as it has it.
         seg.flag[0] = 1
     try:
-        _send_frame(sock, payload, body_len, fds)
+        _send_frame(sock, payload, body_len, fds, tag)
     except BaseException:
         out.unsent()  # a message cut short is discarded whole by the receiver
         if seg is not None:
@@ -1296,8 +1335,14 @@ def send(sock: socket.socket, obj: Any, policy: ShmPolicy | None = None, shm: bo
         policy.sent(out)
 
 
-def _send_frame(sock: socket.socket, payload: bytes, body_len: int, fds: list[int]) -> None:
-    header = _HEADER.pack(len(payload), len(fds), body_len)
+def _send_frame(
+    sock: socket.socket,
+    payload: bytes,
+    body_len: int,
+    fds: list[int],
+    tag: tuple[int, int] = NO_TAG,
+) -> None:
+    header = _HEADER.pack(len(payload), len(fds), body_len, *tag)
     total = len(header) + len(payload)
     if fds:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
@@ -1315,6 +1360,19 @@ def _send_frame(sock: socket.socket, payload: bytes, body_len: int, fds: list[in
 
 class ChannelClosed(Exception):
     """The peer closed its end (it exited or died)."""
+
+
+class Undecodable(NamedTuple):
+    """What ``Receiver.feed`` returns for a message that arrived whole but could not be
+    rebuilt (unpickled) here. ``gen``, ``tid``: its tag (a result's epoch generation and task
+    id; -1 -1: not a result); ``error``: what unpickling raised, without its frames (nothing
+    half-rebuilt stays alive through them), its traceback kept as text for the report;
+    ``blame``: whose failure it most likely is, in a sentence (see ``_blame``)."""
+
+    gen: int
+    tid: int
+    error: BaseException
+    blame: str
 
 
 class Receiver:
@@ -1338,7 +1396,11 @@ class Receiver:
         self._need_fds = 0
         self._payload_len = -1
         self._body_len = 0
+        self._tag = NO_TAG  # the tag of the message being received
         self._fds: list[int] = []
+        # A read failed after messages were completed in the same ``feed`` (those are returned
+        # first: a worker's READY must not be lost with it); raised by the next ``feed``.
+        self.failure: BaseException | None = None
         self.eof = False  # the sender has closed its end (exited or was killed)
         self.received = 0  # bytes read so far: progress, even before a message is whole
         self._short = False  # the last read returned less than it asked for
@@ -1423,7 +1485,10 @@ class Receiver:
 
         Once the sender is gone, ``eof`` is set: the messages it completed before going are
         still returned (a worker's last words, such as its worker_init_fn error, arrive just
-        before its exit), and a partial message is discarded.
+        before its exit), and a partial message is discarded. A message that came whole but
+        cannot be unpickled is returned as an ``Undecodable`` in its place. A read that fails
+        (fds dropped for want of room: ``FdLimitError``) raises -- after the messages completed
+        before it, which this call returns, leaving the error in ``failure`` for the next.
 
         Args:
             drain: read until the socket has nothing more (or is closed). False: stop after
@@ -1432,11 +1497,16 @@ class Receiver:
                 of a small-batch epoch, is left out. What a short read left behind keeps the
                 socket readable, so a level-triggered poll calls again at once.
         """
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            raise failure
         out: list[Any] = []
         self._short = False
         while True:
             if self._payload_len < 0 and len(self._buf) >= _HEADER.size:
-                self._payload_len, self._need_fds, self._body_len = _HEADER.unpack_from(self._buf)
+                length, nfds, body_len, gen, tid = _HEADER.unpack_from(self._buf)
+                self._payload_len, self._need_fds, self._body_len = length, nfds, body_len
+                self._tag = (gen, tid)
                 del self._buf[: _HEADER.size]
                 if self._payload_len > _RECV_CHUNK and len(self._buf) < self._payload_len:
                     # Large: receive the rest in place, straight into its final buffer.
@@ -1457,7 +1527,7 @@ class Receiver:
                 del self._fds[: self._need_fds]  # any further fds belong to the next message
                 self._payload_len = -1
                 self._need_fds = 0
-                out.append(self._decode(payload, self._body_len, fds))
+                out.append(self._rebuild(payload, fds))
                 continue
             if self.eof or (self._short and not drain):
                 return out
@@ -1466,8 +1536,22 @@ class Receiver:
             except ChannelClosed:
                 self.eof = True
                 return out
+            except Exception as exc:
+                if not out:
+                    raise
+                self.failure = exc
+                return out
             if not more:
                 return out
+
+    def _rebuild(self, payload: bytes | bytearray, fds: list[int]) -> Any:
+        """The message, or an ``Undecodable`` if it cannot be unpickled (the channel itself
+        is fine: its frame was whole)."""
+        try:
+            return self._decode(payload, self._body_len, fds)
+        except Exception as exc:
+            blame = _blame(exc)
+            return Undecodable(*self._tag, _without_frames(exc), blame)
 
     def _decode(self, payload: bytes | bytearray, body_len: int, fds: list[int]) -> Any:
         if not fds and body_len == len(payload):
@@ -1532,6 +1616,72 @@ class Receiver:
         # Batches still held keep their segments mapped through their leases.
         self._pool_segs.clear()
         self.sock.close()
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _blame(exc: BaseException) -> str:
+    """Whose failure it most likely is that a message could not be unpickled here, read from
+    where ``exc`` was raised: in our rebuilding of tensors and storages (ours, or torch's on
+    our behalf) it is a bug of ours; in code of the batch's own (a ``__setstate__``, a
+    reduce function) or in looking up a class the main process does not have, the batch's."""
+    if isinstance(exc, FdLimitError):
+        return "This process had no file descriptor left to map it: see above for what to do."
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return "The error came with no traceback to say where it was raised."
+    code = last.tb_frame.f_code
+    ours = (
+        "It was raised while the loader rebuilt the batch's tensors: a bug in "
+        "resumable_loader -- please report it, with this traceback."
+    )
+    if code is Receiver._decode.__code__:
+        # Raised by the unpickler itself, not in a function it called.
+        if isinstance(exc, (ImportError, AttributeError)):
+            return (
+                "The batch refers to a class or function the main process cannot import "
+                "(one defined only where the workers load it): define it in a module both "
+                "import."
+            )
+        return (
+            "Either the batch holds something the main process cannot unpickle, or this is "
+            "a bug in resumable_loader (then please report it, with this traceback)."
+        )
+    path = os.path.abspath(code.co_filename)
+    if path.startswith((_PACKAGE_DIR, _TORCH_DIR)):
+        return ours
+    return (
+        f"It was raised by the batch's own code while it was rebuilt ({code.co_name}, "
+        f"{path}:{last.tb_lineno}): the batch holds an object that cannot be rebuilt in the "
+        "main process."
+    )
+
+
+def _without_frames(exc: BaseException) -> BaseException:
+    """``exc`` as an ``Undecodable`` keeps it: its traceback, and that of each exception it
+    was raised from or during, turned into text (a ``RemoteTraceback`` at the root of its
+    ``__cause__`` chain, printed first), and its frames dropped. A frame keeps its callers'
+    frames, and their variables, alive: the receiver's message list that holds the error (a
+    cycle), the iterator, and whatever the unpickling had built (storages, fds, mapped
+    segments) -- until the user's error went and the cycle collector ran."""
+    text = "".join(traceback.format_exception(exc))
+    chain: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and not any(link is c for c in chain):
+        chain.append(link)
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    root = exc
+    for _ in chain:  # (bounded: causes may form a loop)
+        if root.__cause__ is None:
+            root.__cause__ = RemoteTraceback(text)
+            break
+        root = root.__cause__
+    return exc
 
 
 def _mib(n: int) -> str:

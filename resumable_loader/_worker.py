@@ -944,7 +944,9 @@ class _WorkerLoop:
         sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
         a reference or form a cycle with it (see _transport)."""
         try:
-            _transport.send(self.result_conn, result_to_wire(msg), self.shm, self.shm_ok)
+            # Tagged with its task: one the main process cannot rebuild can still be named.
+            wire = result_to_wire(msg)
+            _transport.send(self.result_conn, wire, self.shm, self.shm_ok, (msg.gen, tid))
         except (BrokenPipeError, ConnectionResetError, EOFError):
             return False
         except Exception:

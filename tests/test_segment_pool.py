@@ -201,7 +201,7 @@ def die_while_sending_a_granted_batch(worker_id: int) -> None:
     send_frame = _transport._send_frame
     seen = [0]
 
-    def dying_send_frame(sock: Any, payload: Any, body_len: int, fds: Any) -> None:
+    def dying_send_frame(sock: Any, payload: Any, body_len: int, fds: Any, *tag: Any) -> None:
         pool = _transport._worker_pool
         seg = pool.target if pool is not None and pool.granted else None
         if seg is not None and seg.size and seg.lent:
@@ -209,7 +209,7 @@ def die_while_sending_a_granted_batch(worker_id: int) -> None:
             if seen[0] == 3:
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-        send_frame(sock, payload, body_len, fds)
+        send_frame(sock, payload, body_len, fds, *tag)
 
     _transport._send_frame = dying_send_frame
 
