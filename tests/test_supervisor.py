@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -612,6 +614,74 @@ def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) 
             stats = loader.statistics()
     assert got == [[0, 1], [2, 3]]
     assert stats.respawns_by_cause == {"hang": 1}
+
+
+# ---- starved workers: a loaded machine is not a hang (issue #31) --------------------------------
+class BusyRange(torch.utils.data.Dataset):
+    """Map-style; item i is i, after a fixed amount of CPU work (tens of milliseconds)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        sum(range(1_000_000))
+        return i
+
+
+class PinTo:
+    """A ``worker_init_fn`` that runs its worker on ``cpu`` only."""
+
+    def __init__(self, cpu: int) -> None:
+        self.cpu = cpu
+
+    def __call__(self, worker_id: int) -> None:
+        os.sched_setaffinity(0, {self.cpu})
+
+
+def _busy_processes_on(cpu: int, n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning on ``cpu`` (other jobs' work), returned once they spin there."""
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint('on', flush=True)\nwhile 1: pass"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", code], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(n)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "on\n"
+    return procs
+
+
+# A regression found by the fuzzers in fuzz/ (KillMachine on a loaded machine: 21 respawns
+# without a result, every worker killed as hung while it waited for a CPU).
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no run-queue figures")
+def test_a_worker_starved_of_cpu_is_not_killed_as_hung() -> None:
+    # A batch takes ~50 ms of CPU; sharing its CPU with eight busy processes, it takes ~0.5 s
+    # on the clock, more than task_timeout. The worker is runnable all along: not hung.
+    cpu = min(os.sched_getaffinity(0))
+    ref = [b.tolist() for b in DataLoader(BusyRange(), batch_size=2)]
+    loader = DataLoader(
+        BusyRange(),
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context="fork",
+        worker_init_fn=PinTo(cpu),
+        task_timeout=0.2,
+        timeout=60,
+    )
+    hogs = _busy_processes_on(cpu, 8)
+    try:
+        got = [b.tolist() for b in loader]
+        stats = loader.statistics()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+            assert hog.stdout is not None
+            hog.stdout.close()
+        loader.close()
+    assert got == ref
+    assert stats.respawns == 0, dict(stats.respawns_by_cause)
 
 
 # ---- blame, with real processes (the decision itself: test_recovery.py, test_dispatch.py) -------
