@@ -131,7 +131,7 @@ class Recovery:
             out.fatal = self._failed_start(slot, report, line)
             return out
         try:
-            self.sup.respawn(slot)
+            self.sup.respawn(slot, report)
         except WorkerCrashError as storm:
             out.fatal = WorkerCrashError(str(storm) + _in_torchs_words(report), attempts=(line,))
             return out

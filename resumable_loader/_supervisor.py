@@ -96,8 +96,9 @@ BOOT_TIMEOUT_S = 60.0
 # is not counted towards task_timeout. A quarter second is far above a scheduler's delay.
 PAUSE_SLACK_S = 0.25
 # Respawn-storm guard: more respawns than max(this, 4 per worker) with not one result received
-# in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
-# raise instead of looping. Deaths between results are left to the per-task poison limit.
+# in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts, or
+# killed as hung because it cannot start or load a batch within task_timeout); raise instead of
+# looping. Deaths between results are left to the per-task poison limit.
 STORM_MIN_RESPAWNS = 20
 
 # The loader's segment pool (issue #26; ``_transport.LoaderPool``): on unless a benchmark
@@ -438,6 +439,10 @@ class Supervisor:
         self._seen = self._last_poll  # when this supervisor last looked at the clock
         self.paused_s = 0.0  # this process's pauses seen so far, not counted as running time
         self.respawns_without_progress = 0
+        # Why the workers were respawned since the last result (DeathReport.key -> count),
+        # and the last such death: what the storm error reports.
+        self._storm_causes: collections.Counter[str] = collections.Counter()
+        self._storm_last = ""
         self._starts = self._deaths = self._killed = 0
         self._warned_seeding = False
         self.closed = False
@@ -549,18 +554,41 @@ class Supervisor:
         if method == "forkserver":
             forkserver.ensure_running()
 
-    def respawn(self, slot: WorkerSlot) -> None:
-        """Start a replacement process for a DEAD slot (same worker id, same seeds)."""
+    def respawn(self, slot: WorkerSlot, report: DeathReport | None = None) -> None:
+        """Start a replacement process for a DEAD slot (same worker id, same seeds).
+
+        ``report`` is the death it replaces (None: a persistent pool's worker that died
+        between epochs); the storm error says what the deaths were.
+        """
         self.respawns_without_progress += 1
+        if report is not None:
+            self._storm_causes[report.key] += 1
+            self._storm_last = f"worker {slot.wid} (pid {report.pid}) {report.cause}"
         limit = max(STORM_MIN_RESPAWNS, 4 * len(self.slots))
         if self.respawns_without_progress > limit:
-            raise WorkerCrashError(
-                f"respawn storm: {self.respawns_without_progress} worker respawns without a "
-                "single result in between: workers are dying faster than they can do work. "
-                "Check the worker logs / dmesg for the OOM killer, lower num_workers or memory "
-                "use."
-            )
+            raise WorkerCrashError(self._storm_message())
         self._start(slot)
+
+    def _storm_message(self) -> str:
+        n, causes = self.respawns_without_progress, self._storm_causes
+        said = ", ".join(f"{key} x{count}" for key, count in causes.most_common())
+        head = f"respawn storm: {n} worker respawns without a single result in between"
+        head += f" (causes: {said}; last: {self._storm_last})" if said else ""
+        hangs = causes["hang"]
+        if hangs * 2 > sum(causes.values()):
+            # We killed them: saying they died would send the user looking for an OOM killer.
+            return (
+                f"{head}. {hangs} of them were not deaths: the loader killed the workers as "
+                f"hung, because they did not start or deliver a batch within "
+                f"task_timeout={self.task_timeout:g} s of running time. If the workers are "
+                "merely slow (a slow worker_init_fn or stream restore, a heavily loaded or "
+                "swapping machine), raise task_timeout above the time a worker needs to start "
+                "and load a batch there."
+            )
+        return (
+            f"{head}: workers are dying faster than they can do work. Check the worker logs / "
+            "dmesg for the OOM killer, lower num_workers or memory use."
+        )
 
     def _close_channels(self, slot: WorkerSlot) -> None:
         """Unregister and close a slot's result socket and task pipe."""
@@ -754,6 +782,7 @@ class Supervisor:
                     pass  # not one of ours: said below
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
+                self._storm_causes.clear()
                 if self.pool is not None:
                     self._end_grant(slot, msg)
                 events.append(Arrived(slot, msg))

@@ -684,6 +684,26 @@ def test_a_worker_starved_of_cpu_is_not_killed_as_hung() -> None:
     assert stats.respawns == 0, dict(stats.respawns_by_cause)
 
 
+def test_a_respawn_storm_of_hangs_says_the_workers_were_killed_as_hung(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every task sleeps past task_timeout: the loader kills each worker it starts, and the
+    # storm guard must say that it did so, not send the user looking for an OOM killer.
+    import resumable_loader._supervisor as sup
+
+    monkeypatch.setattr(sup, "STORM_MIN_RESPAWNS", 4)  # the default, 20, takes seconds here
+    faults = {i: Fault("hang", attempts=None) for i in range(N)}
+    loader = faulty_loader(tmp_path, faults, num_workers=1, task_timeout=0.2, max_task_attempts=100)
+    with pytest.raises(WorkerCrashError, match="respawn storm") as info:
+        list(loader)
+    loader.close()
+    text = str(info.value)
+    assert "dying" not in text and "OOM" not in text
+    assert "causes: hang x5" in text
+    assert "killed the workers as hung" in text and "task_timeout=0.2 s" in text
+    assert "raise task_timeout" in text
+
+
 # ---- blame, with real processes (the decision itself: test_recovery.py, test_dispatch.py) -------
 @pytest.mark.parametrize("action", ["sigkill", "stop"])
 def test_a_task_re_sent_to_a_dying_worker_is_not_blamed_for_its_death(tmp_path, action) -> None:
