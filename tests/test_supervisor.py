@@ -617,25 +617,33 @@ def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) 
 
 
 # ---- starved workers: a loaded machine is not a hang (issue #31) --------------------------------
+BUSY = 2_000_000  # sum(range(BUSY)): ~25 ms of CPU
+
+
 class BusyRange(torch.utils.data.Dataset):
-    """Map-style; item i is i, after a fixed amount of CPU work (tens of milliseconds)."""
+    """Map-style; item i is i, after ``sum(range(work))`` (a fixed amount of CPU work)."""
+
+    def __init__(self, work: int) -> None:
+        self.work = work
 
     def __len__(self) -> int:
         return 4
 
     def __getitem__(self, i: int) -> int:
-        sum(range(1_000_000))
+        sum(range(self.work))
         return i
 
 
 class PinTo:
-    """A ``worker_init_fn`` that runs its worker on ``cpu`` only."""
+    """A ``worker_init_fn`` that runs its worker on ``cpu`` only, then does ``sum(range(work))``
+    (a start that needs some CPU: imports, opening files)."""
 
-    def __init__(self, cpu: int) -> None:
-        self.cpu = cpu
+    def __init__(self, cpu: int, work: int) -> None:
+        self.cpu, self.work = cpu, work
 
     def __call__(self, worker_id: int) -> None:
         os.sched_setaffinity(0, {self.cpu})
+        sum(range(self.work))
 
 
 def _busy_processes_on(cpu: int, n: int) -> list[subprocess.Popen]:
@@ -655,17 +663,20 @@ def _busy_processes_on(cpu: int, n: int) -> list[subprocess.Popen]:
 # A regression found by the fuzzers in fuzz/ (KillMachine on a loaded machine: 21 respawns
 # without a result, every worker killed as hung while it waited for a CPU).
 @pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no run-queue figures")
-def test_a_worker_starved_of_cpu_is_not_killed_as_hung() -> None:
-    # A batch takes ~50 ms of CPU; sharing its CPU with eight busy processes, it takes ~0.5 s
-    # on the clock, more than task_timeout. The worker is runnable all along: not hung.
+@pytest.mark.parametrize("busy", ["start", "batch"])
+def test_a_worker_starved_of_cpu_is_not_killed_as_hung(busy: str) -> None:
+    # The worker's start (worker_init_fn) or each batch takes ~50 ms of CPU; sharing its CPU
+    # with eight busy processes, it takes ~0.5 s on the clock, more than task_timeout. The
+    # worker is runnable all along: it is starved, not hung.
     cpu = min(os.sched_getaffinity(0))
-    ref = [b.tolist() for b in DataLoader(BusyRange(), batch_size=2)]
+    data_work, init_work = (0, 2 * BUSY) if busy == "start" else (BUSY, 0)
+    ref = [b.tolist() for b in DataLoader(BusyRange(data_work), batch_size=2)]
     loader = DataLoader(
-        BusyRange(),
+        BusyRange(data_work),
         batch_size=2,
         num_workers=1,
         multiprocessing_context="fork",
-        worker_init_fn=PinTo(cpu),
+        worker_init_fn=PinTo(cpu, init_work),
         task_timeout=0.2,
         timeout=60,
     )
