@@ -581,9 +581,9 @@ class Supervisor:
                 f"{head}. {hangs} of them were not deaths: the loader killed the workers as "
                 f"hung, because they did not start or deliver a batch within "
                 f"task_timeout={self.task_timeout:g} s of running time. If the workers are "
-                "merely slow (a slow worker_init_fn or stream restore, a heavily loaded or "
-                "swapping machine), raise task_timeout above the time a worker needs to start "
-                "and load a batch there."
+                "merely slow (a slow worker_init_fn, stream restore or batch; a machine that "
+                "swaps), raise task_timeout above the time a worker needs to start and load a "
+                "batch there."
             )
         return (
             f"{head}: workers are dying faster than they can do work. Check the worker logs / "
