@@ -715,6 +715,20 @@ def test_a_respawn_storm_of_hangs_says_the_workers_were_killed_as_hung(
     assert "raise task_timeout" in text
 
 
+def test_a_task_that_keeps_hanging_is_poison_with_advice_about_task_timeout(tmp_path) -> None:
+    # The worker is killed for task_timeout each time: the error must not guess at a crashing
+    # decoder, and must name the remedy for a merely slow task.
+    faults = {10: Fault("hang", attempts=None)}
+    loader = faulty_loader(tmp_path, faults, task_timeout=0.2, max_task_attempts=2)
+    with pytest.raises(WorkerCrashError, match="gave up on samples") as info:
+        list(loader)
+    loader.close()
+    text = str(info.value)
+    assert "hung (no result for 0.2 s: task_timeout)" in text
+    assert "crashes its decoder" not in text
+    assert "raise task_timeout" in text
+
+
 # ---- blame, with real processes (the decision itself: test_recovery.py, test_dispatch.py) -------
 @pytest.mark.parametrize("action", ["sigkill", "stop"])
 def test_a_task_re_sent_to_a_dying_worker_is_not_blamed_for_its_death(tmp_path, action) -> None:
