@@ -135,7 +135,7 @@ class Recovery:
             out.fatal = self._failed_start(slot, report, line)
             return out
         try:
-            self.sup.respawn(slot)
+            self.sup.respawn(slot, report)
         except WorkerCrashError as storm:
             out.fatal = WorkerCrashError(str(storm) + _in_torchs_words(report), attempts=(line,))
             return out
@@ -208,14 +208,23 @@ class Recovery:
     def _poison(self, slot: WorkerSlot, task: Task, report: DeathReport, out: Outcome) -> None:
         attempts = tuple(task.failures)
         indices = task.payload
+        if report.key == "hang":
+            # The worker did not crash: we killed it, and the task may merely be slow.
+            advice = (
+                "\nThe task ran past task_timeout each time (the loader killed its worker as "
+                "hung): if it is merely slow, raise task_timeout; if it hangs (a read that never "
+                "returns), remove or repair the sample, or build the loader with "
+                "on_poison='skip' to skip such tasks."
+            )
+        else:
+            advice = (
+                "\nThe sample probably crashes its decoder or exhausts memory: remove or repair "
+                "it, or build the loader with on_poison='skip' to skip such tasks."
+            )
         message = (
             f"DataLoader gave up on {self.source.describe(task)} of epoch {self.epoch}: it "
             f"killed the worker {len(attempts)} times (max_task_attempts={self.max_attempts}):"
-            "\n  "
-            + "\n  ".join(attempts)
-            + "\nThe sample probably crashes its decoder or exhausts memory: remove or repair it, "
-            "or build the loader with on_poison='skip' to skip such tasks."
-            + _in_torchs_words(report)
+            "\n  " + "\n  ".join(attempts) + advice + _in_torchs_words(report)
         )
         self.disp.drop(task.tid)
         extra, ends = self.source.poisoned(self.disp, slot)

@@ -16,7 +16,9 @@ are checked with ``is_alive()`` for what the others miss (a grandchild holding t
 open). A timeout alone never declares a worker dead: only ``task_timeout`` does, and then the
 worker is killed first, so "dead" is always a fact. ``task_timeout`` counts the job's running
 time: a pause of this process (a wait that overran, a SIGCONT) is taken off every hang clock,
-so a job stopped as a whole and continued loses no worker (``_discount_pauses``).
+so a job stopped as a whole and continued loses no worker (``_discount_pauses``). Nor is a
+worker's own wait for a CPU on a busy machine (its run-queue delay, ``_credit_cpu_wait``): a
+worker that is ready to run and not given the CPU is not hung, it is starved.
 The shared segments batches travel in are the supervisor's (``_transport.LoaderPool``): each
 TASK sent carries a grant, each segment's fd goes to a worker process once, over its result
 socket, before the first task that grants it; a grant ends with the task's result, a result of
@@ -96,8 +98,9 @@ BOOT_TIMEOUT_S = 60.0
 # is not counted towards task_timeout. A quarter second is far above a scheduler's delay.
 PAUSE_SLACK_S = 0.25
 # Respawn-storm guard: more respawns than max(this, 4 per worker) with not one result received
-# in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts);
-# raise instead of looping. Deaths between results are left to the per-task poison limit.
+# in between is not a flaky worker but a broken setup (every worker OOM-killed as it starts, or
+# killed as hung because it cannot start or load a batch within task_timeout); raise instead of
+# looping. Deaths between results are left to the per-task poison limit.
 STORM_MIN_RESPAWNS = 20
 
 # The loader's segment pool (issue #26; ``_transport.LoaderPool``): on unless a benchmark
@@ -253,6 +256,33 @@ class _Continued:
                 pass
 
 
+class CpuFigures(NamedTuple):
+    """What the kernel says of a process's main thread and the CPU (``cpu_figures``)."""
+
+    ran: int  # ns it has run on a CPU
+    waited: int  # ns it was runnable but waited for a CPU, counted when it got one
+    runnable: bool  # running or waiting for a CPU now (False when not asked)
+
+
+def cpu_figures(pid: int, state: bool = True) -> CpuFigures | None:
+    """/proc/<pid>/schedstat, and with ``state`` the state in /proc/<pid>/stat; None where the
+    kernel does not say (another OS, or no such process).
+
+    Only the main thread: it runs the tasks. A wait of other threads (a user's thread pool) is
+    not seen, so a worker starved that way is judged by the clock alone.
+    """
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            ran, waited = (int(x) for x in f.read().split()[:2])
+        if not state:
+            return CpuFigures(ran, waited, False)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            code = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return CpuFigures(ran, waited, code == b"R")
+
+
 def describe_exit(exitcode: int | None) -> str:
     if exitcode is None:
         return "did not exit"
@@ -359,6 +389,9 @@ class WorkerSlot:
         self.booted = False  # the current process has sent BOOTED
         self.start_since = 0.0  # when it was started, then when it sent BOOTED
         self.running: int | None = None  # the task it said it started out of order (STARTED)
+        # Its CPU figures when its hang clock last started or was looked at, and when.
+        self.cpu: CpuFigures | None = None
+        self.cpu_seen = 0.0
 
     @property
     def alive(self) -> bool:
@@ -416,6 +449,10 @@ class Supervisor:
         self._seen = self._last_poll  # when this supervisor last looked at the clock
         self.paused_s = 0.0  # this process's pauses seen so far, not counted as running time
         self.respawns_without_progress = 0
+        # Why the workers were respawned since the last result (DeathReport.key -> count),
+        # and the last such death: what the storm error reports.
+        self._storm_causes: collections.Counter[str] = collections.Counter()
+        self._storm_last = ""
         self._starts = self._deaths = self._killed = 0
         self._warned_seeding = False
         self.closed = False
@@ -505,6 +542,7 @@ class Supervisor:
         slot.running = None
         slot.start_since = time.monotonic()
         slot.busy_since = time.monotonic()
+        self._mark_cpu_wait(slot)
         self._watch(result_r.fileno(), "conn", slot)
         self._watch(proc.sentinel, "sentinel", slot)
 
@@ -526,18 +564,41 @@ class Supervisor:
         if method == "forkserver":
             forkserver.ensure_running()
 
-    def respawn(self, slot: WorkerSlot) -> None:
-        """Start a replacement process for a DEAD slot (same worker id, same seeds)."""
+    def respawn(self, slot: WorkerSlot, report: DeathReport | None = None) -> None:
+        """Start a replacement process for a DEAD slot (same worker id, same seeds).
+
+        ``report`` is the death it replaces (None: a persistent pool's worker that died
+        between epochs); the storm error says what the deaths were.
+        """
         self.respawns_without_progress += 1
+        if report is not None:
+            self._storm_causes[report.key] += 1
+            self._storm_last = f"worker {slot.wid} (pid {report.pid}) {report.cause}"
         limit = max(STORM_MIN_RESPAWNS, 4 * len(self.slots))
         if self.respawns_without_progress > limit:
-            raise WorkerCrashError(
-                f"respawn storm: {self.respawns_without_progress} worker respawns without a "
-                "single result in between: workers are dying faster than they can do work. "
-                "Check the worker logs / dmesg for the OOM killer, lower num_workers or memory "
-                "use."
-            )
+            raise WorkerCrashError(self._storm_message())
         self._start(slot)
+
+    def _storm_message(self) -> str:
+        n, causes = self.respawns_without_progress, self._storm_causes
+        said = ", ".join(f"{key} x{count}" for key, count in causes.most_common())
+        head = f"respawn storm: {n} worker respawns without a single result in between"
+        head += f" (causes: {said}; last: {self._storm_last})" if said else ""
+        hangs = causes["hang"]
+        if hangs * 2 > sum(causes.values()):
+            # We killed them: saying they died would send the user looking for an OOM killer.
+            return (
+                f"{head}. {hangs} of them were not deaths: the loader killed the workers as "
+                f"hung, because they did not start or deliver a batch within "
+                f"task_timeout={self.task_timeout:g} s of running time. If the workers are "
+                "merely slow (a slow worker_init_fn, stream restore or batch; a machine that "
+                "swaps), raise task_timeout above the time a worker needs to start and load a "
+                "batch there."
+            )
+        return (
+            f"{head}: workers are dying faster than they can do work. Check the worker logs / "
+            "dmesg for the OOM killer, lower num_workers or memory use."
+        )
 
     def _close_channels(self, slot: WorkerSlot) -> None:
         """Unregister and close a slot's result socket and task pipe."""
@@ -648,7 +709,10 @@ class Supervisor:
         for slot in self.slots:
             hang = self._hang_clock(slot)
             if hang is not None and slot not in dead and now > hang[0]:
-                dead[slot] = (hang[1], True)
+                if self._credit_cpu_wait(slot):
+                    hang = self._hang_clock(slot)
+                if hang is not None and now > hang[0]:
+                    dead[slot] = (hang[1], True)
         for slot, (why, kill) in dead.items():
             events.append(Died(slot, self._report_death(slot, why, kill)))
         return events
@@ -721,6 +785,7 @@ class Supervisor:
             # Progress. While the user was busy between batches the worker's results waited
             # in the socket (or it waited to write them): that time is not a hang.
             slot.busy_since = time.monotonic()
+            self._mark_cpu_wait(slot)
         for msg in msgs:
             if type(msg) is tuple:  # a Result as workers send it (result_to_wire)
                 try:
@@ -729,6 +794,7 @@ class Supervisor:
                     pass  # not one of ours: said below
             if isinstance(msg, Result):
                 self.respawns_without_progress = 0
+                self._storm_causes.clear()
                 if self.pool is not None:
                     self._end_grant(slot, msg)
                 events.append(Arrived(slot, msg))
@@ -737,6 +803,7 @@ class Supervisor:
             elif isinstance(msg, Booted):
                 slot.booted = True
                 slot.start_since = time.monotonic()  # worker_init_fn's time starts now
+                self._mark_cpu_wait(slot)
             elif isinstance(msg, Ready):
                 if msg.seeded and not self._warned_seeding:
                     self._warned_seeding = True
@@ -745,6 +812,7 @@ class Supervisor:
                 slot.start_failures = 0
                 slot.init_error = None
                 slot.busy_since = time.monotonic()
+                self._mark_cpu_wait(slot)
             elif isinstance(msg, InitError):
                 slot.init_error = msg.error
                 dead[slot] = ("failed to start", False)
@@ -826,6 +894,50 @@ class Supervisor:
             # by the part after its start.
             slot.busy_since += max(0.0, end - max(slot.busy_since, start))
             slot.start_since += max(0.0, end - max(slot.start_since, start))
+
+    def _mark_cpu_wait(self, slot: WorkerSlot) -> None:
+        """A hang clock of ``slot`` (re)started now: note its CPU figures so far (one read of
+        /proc per start of a clock, and only with task_timeout set)."""
+        if self.task_timeout is not None and slot.pid > 0:
+            slot.cpu = cpu_figures(slot.pid, state=False)
+            slot.cpu_seen = time.monotonic()
+
+    def _credit_cpu_wait(self, slot: WorkerSlot) -> bool:
+        """Take the time ``slot``'s worker waited for a CPU since its clock started off its
+        hang clocks; True if that moved them.
+
+        A worker is hung when it makes no progress while the rest of the job runs. One that is
+        runnable but not scheduled (a machine with more busy processes than cores) is the rest
+        of the job not running, for it: on a loaded machine a start or a batch that takes a
+        few milliseconds of CPU can take seconds on the clock, and killing it for that kills
+        its replacement too, until the storm guard ends the epoch. A stopped worker, one
+        blocked in a read, or one spinning on a CPU it gets, waits for no CPU: it is still
+        found after task_timeout of running time. Looked at only when a clock has run out.
+        (A stretch that is also one of this process's pauses, ``_discount_pauses``, or a wait
+        that began before the clock started, may be taken off twice: a hang is then found up
+        to that much later, never sooner.)
+        """
+        before, seen = slot.cpu, slot.cpu_seen
+        now = time.monotonic()
+        figures = cpu_figures(slot.pid) if before is not None else None
+        if before is None or figures is None:
+            return False
+        # Waits that ended (the kernel adds a wait when the CPU is given)...
+        credit = max(0, figures.waited - before.waited) / 1e9
+        if figures.runnable and figures.ran == before.ran:
+            # ...and the one in progress: runnable now and not run since the last look. Noted
+            # as waited, so that it is not credited again once the kernel counts it.
+            ongoing = max(0.0, now - seen)
+            credit += ongoing
+            figures = figures._replace(
+                waited=max(figures.waited, before.waited) + int(ongoing * 1e9)
+            )
+        slot.cpu, slot.cpu_seen = figures, now
+        if credit <= 0:
+            return False
+        slot.busy_since += credit
+        slot.start_since += credit
+        return True
 
     def _hang_clock(self, slot: WorkerSlot) -> tuple[float, str] | None:
         """When a slot counts as hung (monotonic time) and how to say so; None if never."""

@@ -37,7 +37,7 @@ class FakeSupervisor:
         self.sent.append((slot.wid, msg))
         return True
 
-    def respawn(self, slot: WorkerSlot) -> None:
+    def respawn(self, slot: WorkerSlot, report: Any = None) -> None:
         if self.storm_after is not None and len(self.respawned) >= self.storm_after:
             raise WorkerCrashError("respawn storm: workers are dying faster than they can work")
         self.respawned.append(slot.wid)

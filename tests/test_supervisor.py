@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -612,6 +614,119 @@ def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) 
             stats = loader.statistics()
     assert got == [[0, 1], [2, 3]]
     assert stats.respawns_by_cause == {"hang": 1}
+
+
+# ---- starved workers: a loaded machine is not a hang (issue #31) --------------------------------
+BUSY = 2_000_000  # sum(range(BUSY)): ~25 ms of CPU
+
+
+class BusyRange(torch.utils.data.Dataset):
+    """Map-style; item i is i, after ``sum(range(work))`` (a fixed amount of CPU work)."""
+
+    def __init__(self, work: int) -> None:
+        self.work = work
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        sum(range(self.work))
+        return i
+
+
+class PinTo:
+    """A ``worker_init_fn`` that runs its worker on ``cpu`` only, then does ``sum(range(work))``
+    (a start that needs some CPU: imports, opening files)."""
+
+    def __init__(self, cpu: int, work: int) -> None:
+        self.cpu, self.work = cpu, work
+
+    def __call__(self, worker_id: int) -> None:
+        os.sched_setaffinity(0, {self.cpu})
+        sum(range(self.work))
+
+
+def _busy_processes_on(cpu: int, n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning on ``cpu`` (other jobs' work), returned once they spin there."""
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint('on', flush=True)\nwhile 1: pass"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", code], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(n)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "on\n"
+    return procs
+
+
+# A regression found by the fuzzers in fuzz/ (KillMachine on a loaded machine: 21 respawns
+# without a result, every worker killed as hung while it waited for a CPU).
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="no run-queue figures")
+@pytest.mark.parametrize("busy", ["start", "batch"])
+def test_a_worker_starved_of_cpu_is_not_killed_as_hung(busy: str) -> None:
+    # The worker's start (worker_init_fn) or each batch takes ~50 ms of CPU; sharing its CPU
+    # with eight busy processes, it takes ~0.5 s on the clock, more than task_timeout. The
+    # worker is runnable all along: it is starved, not hung.
+    cpu = min(os.sched_getaffinity(0))
+    data_work, init_work = (0, 2 * BUSY) if busy == "start" else (BUSY, 0)
+    ref = [b.tolist() for b in DataLoader(BusyRange(data_work), batch_size=2)]
+    loader = DataLoader(
+        BusyRange(data_work),
+        batch_size=2,
+        num_workers=1,
+        multiprocessing_context="fork",
+        worker_init_fn=PinTo(cpu, init_work),
+        task_timeout=0.2,
+        timeout=60,
+    )
+    hogs = _busy_processes_on(cpu, 8)
+    try:
+        got = [b.tolist() for b in loader]
+        stats = loader.statistics()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+            assert hog.stdout is not None
+            hog.stdout.close()
+        loader.close()
+    assert got == ref
+    assert stats.respawns == 0, dict(stats.respawns_by_cause)
+
+
+def test_a_respawn_storm_of_hangs_says_the_workers_were_killed_as_hung(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every task sleeps past task_timeout: the loader kills each worker it starts, and the
+    # storm guard must say that it did so, not send the user looking for an OOM killer.
+    import resumable_loader._supervisor as sup
+
+    monkeypatch.setattr(sup, "STORM_MIN_RESPAWNS", 4)  # the default, 20, takes seconds here
+    faults = {i: Fault("hang", attempts=None) for i in range(N)}
+    loader = faulty_loader(tmp_path, faults, num_workers=1, task_timeout=0.2, max_task_attempts=100)
+    with pytest.raises(WorkerCrashError, match="respawn storm") as info:
+        list(loader)
+    loader.close()
+    text = str(info.value)
+    assert "dying" not in text and "OOM" not in text
+    assert "causes: hang x5" in text
+    assert "killed the workers as hung" in text and "task_timeout=0.2 s" in text
+    assert "raise task_timeout" in text
+
+
+def test_a_task_that_keeps_hanging_is_poison_with_advice_about_task_timeout(tmp_path) -> None:
+    # The worker is killed for task_timeout each time: the error must not guess at a crashing
+    # decoder, and must name the remedy for a merely slow task.
+    faults = {10: Fault("hang", attempts=None)}
+    loader = faulty_loader(tmp_path, faults, task_timeout=0.2, max_task_attempts=2)
+    with pytest.raises(WorkerCrashError, match="gave up on samples") as info:
+        list(loader)
+    loader.close()
+    text = str(info.value)
+    assert "hung (no result for 0.2 s: task_timeout)" in text
+    assert "crashes its decoder" not in text
+    assert "raise task_timeout" in text
 
 
 # ---- blame, with real processes (the decision itself: test_recovery.py, test_dispatch.py) -------
