@@ -10,8 +10,8 @@ Properties:
 * any plain-data dict round-trips through dump_state / load_state exactly;
 * the ``inspect`` summary and its JSON rendering never fail on a decoded dict, whatever the
   fields hold;
-* dump_state and load_state agree on the memory budget for containers: what one refuses for
-  its lists and dicts, so does the other (checked with the allowance shrunk to a few kB).
+* dump_state and load_state agree on the memory budget: what one refuses for the memory it
+  would take decoded, so does the other (checked with the allowance shrunk to a few kB).
 
 Example counts come from the profile in fuzz/conftest.py (HYPOTHESIS_PROFILE=ci|long).
 """

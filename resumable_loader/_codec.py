@@ -73,29 +73,29 @@ INT_MAX = 2**64 - 1
 # json.dumps and pickle (torch.save) hit on deeper data, and it stops a reference cycle early.
 MAX_DEPTH = 256
 
-# What decoding may build: DECODED_BYTES_PER_BYTE times the payload's length plus
-# DECODED_ALLOWANCE, priced at what CPython pays (``sys.getsizeof``) for every list, dict and
-# scalar msgpack builds -- a shared one (None, a small int, a one-character str) costs nothing.
-# A real state is a few kB (a Mixture's weight history or 1,024 stream partitions: tens of kB),
-# far inside the allowance. The limit is low per byte because it is not all the memory a
-# decode may take: msgpack builds a list's items before ``list_hook`` can charge them, and
-# scalars cost up to ~12 bytes per byte that encodes them (those costing more are charged
-# before decoding, see ``_HOT``), so a 4 MB payload peaks at under 20 bytes per byte whatever
-# its shape. A long run of tiny containers (``[[]] * n``, ``[[1, 2]] * n``: 27-64 bytes per
-# byte) or of short strs past the allowance is refused; store such data as bytes or one flat
-# list of ints.
+# The memory a decode may take: DECODED_BYTES_PER_BYTE per payload byte plus DECODED_ALLOWANCE,
+# so that load_state and inspect stay under 20 bytes per byte of file whatever it holds. What is
+# built is priced at what CPython pays (``sys.getsizeof``) for each list, dict and scalar --
+# a shared one (None, a small int, a one-character str) costs nothing -- when its hook runs;
+# until then each payload byte is charged TRANSIENT_BYTES_PER_BYTE, the most what msgpack
+# builds from one byte out of the hooks' sight costs (an item of a list not yet complete, its
+# slot included), save the ``_HOT`` scalars below (see ``_Budget``). A real state is a few kB
+# (a Mixture's weight history or 1,024 stream partitions: tens of kB), far inside the
+# allowance, and long lists of ints, floats, strs or bytes fit the limit; a long run of tiny
+# containers (``[[]] * n``, ``[[1, 2]] * n``: 27-64 bytes per byte) or of very short strs or
+# small negative ints does not -- store such data as bytes or as one flat list.
 DECODED_BYTES_PER_BYTE = 18
 DECODED_ALLOWANCE = 2 << 20
 TRANSIENT_BYTES_PER_BYTE = 12
 
-# Scalars that cost more than ~12 bytes of memory per byte that encodes them, by the bytes
-# that start them, and what one may cost (the object and its 8-byte slot in a list): negative
+# Scalars that cost more than TRANSIENT_BYTES_PER_BYTE per byte that encodes them, by the bytes
+# that start them, and the most one costs (the object and its 8-byte slot in a list): negative
 # fixints -32..-6 (a new 28-byte int from 1 byte), int8 (one from 2), strs of 2 to 7 bytes (up
 # to 100 bytes each: "ab", one non-Latin-1 character), and str8/str16 headers (a crafted file
-# may write a short str in them). A flat list of such scalars would take 20-40 bytes per byte
-# before any hook could refuse it, so every byte of the payload that could start one is charged
-# before decoding as if it did. Bytes inside other values (text, floats, binary) are charged
-# too: 1-3 bytes per byte for most data, ~12 for East Asian text.
+# may write a short str in them). A flat list of them would take 20-40 bytes per byte before
+# any hook could refuse it, so every payload byte that could start one is charged before
+# decoding as if it did. Bytes inside other values are charged too: nothing in ASCII text, ~7
+# per byte in binary data or floats, ~12 in East Asian text -- within the limit.
 _HOT = (
     (bytes(range(0xE0, 0xFB)), 36),
     (b"\xd0", 36),

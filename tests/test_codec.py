@@ -22,7 +22,6 @@ import pytest
 import torch
 from _datasets import loader_state
 
-from resumable_loader import _codec
 from resumable_loader._codec import (
     HEADER_SIZE,
     MAGIC,
