@@ -10,8 +10,8 @@ Properties:
 * any plain-data dict round-trips through dump_state / load_state exactly;
 * the ``inspect`` summary and its JSON rendering never fail on a decoded dict, whatever the
   fields hold;
-* dump_state and load_state agree on the memory budget for containers: what one refuses for
-  its lists and dicts, so does the other (checked with the allowance shrunk to a few kB).
+* dump_state and load_state agree on the memory budget: what one refuses for the memory it
+  would take decoded, so does the other (checked with the allowance shrunk to a few kB).
 
 Example counts come from the profile in fuzz/conftest.py (HYPOTHESIS_PROFILE=ci|long).
 """
@@ -264,20 +264,20 @@ DENSE = st.recursive(
 
 
 @given(st.dictionaries(st.text(max_size=2), DENSE, max_size=4), st.integers(0, 3000))
-def test_dump_and_load_agree_on_the_container_budget(state: dict[Any, Any], allowance: int) -> None:
+def test_dump_and_load_agree_on_the_memory_budget(state: dict[Any, Any], allowance: int) -> None:
     """With the allowance shrunk to a few kB, small states cross the budget: whatever dump_state
-    writes, load_state reads, and a payload load_state refuses for its containers is one that
-    dump_state refuses to write (both price containers by the same model)."""
+    writes, load_state reads, and a payload load_state refuses for its memory is one that
+    dump_state refuses to write (dump_state prices its payload by decoding it)."""
     from unittest import mock
 
     from resumable_loader import _codec
 
-    with mock.patch.object(_codec, "CONTAINER_ALLOWANCE", allowance):
+    with mock.patch.object(_codec, "DECODED_ALLOWANCE", allowance):
         try:
             data = dump_state(state)
         except CheckpointError as exc:
-            assert "too many small lists and dicts" in str(exc)
-            with pytest.raises(CheckpointError, match="lists and dicts take more"):
+            assert "too large for its size in bytes" in str(exc)
+            with pytest.raises(CheckpointError, match="refused while decoding"):
                 load_state(_frame(msgpack.packb(state, use_bin_type=True)))
             return
         assert same_state(load_state(data), state)

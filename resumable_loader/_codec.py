@@ -28,9 +28,11 @@ is the version of the state's schema, checked by the loader, not here.
 from __future__ import annotations
 
 import hashlib
+import re
 import reprlib
 import struct
 from collections.abc import Iterator
+from sys import getsizeof
 from typing import Any, NoReturn
 
 import msgpack
@@ -71,17 +73,35 @@ INT_MAX = 2**64 - 1
 # json.dumps and pickle (torch.save) hit on deeper data, and it stops a reference cycle early.
 MAX_DEPTH = 256
 
-# What decoding may build, per byte of payload. A msgpack container costs one byte ("[]" is
-# 0x90) but a Python list costs 56 bytes and a dict at least 64, so a payload of nothing but empty
-# containers would make a 4 MB file cost a gigabyte. Containers are charged by the model below
-# (CPython 3.11's sizes, rounded up: a list of n items is 56 + 8n bytes, a non-empty dict about
-# 224 + 48n); a payload is refused once its containers cost more than CONTAINER_BYTES_PER_BYTE
-# times its length plus CONTAINER_ALLOWANCE. 32 per byte still admits a long list of [a, b] pairs
-# (27 per byte) and any state of our own; the allowance lets a small state hold thousands of empty
-# containers. Scalars need no charge: an int or a str costs at most ~28 bytes per byte that
-# encodes it, so a decoded state stays within ~60 bytes per payload byte plus the allowance.
-CONTAINER_BYTES_PER_BYTE = 32
-CONTAINER_ALLOWANCE = 16 << 20
+# The memory a decode may take: DECODED_BYTES_PER_BYTE per payload byte plus DECODED_ALLOWANCE,
+# so that load_state and inspect stay under 20 bytes per byte of file whatever it holds. What is
+# built is priced at what CPython pays (``sys.getsizeof``) for each list, dict and scalar --
+# a shared one (None, a small int, a one-character str) costs nothing -- when its hook runs;
+# until then each payload byte is charged TRANSIENT_BYTES_PER_BYTE, the most what msgpack
+# builds from one byte out of the hooks' sight costs (an item of a list not yet complete, its
+# slot included), save the ``_HOT`` scalars below (see ``_Budget``). A real state is a few kB
+# (a Mixture's weight history or 1,024 stream partitions: tens of kB), far inside the
+# allowance, and long lists of ints, floats, strs or bytes fit the limit; a long run of tiny
+# containers (``[[]] * n``, ``[[1, 2]] * n``: 27-64 bytes per byte) or of very short strs or
+# small negative ints does not -- store such data as bytes or as one flat list.
+DECODED_BYTES_PER_BYTE = 18
+DECODED_ALLOWANCE = 2 << 20
+TRANSIENT_BYTES_PER_BYTE = 12
+
+# Scalars that cost more than TRANSIENT_BYTES_PER_BYTE per byte that encodes them, by the bytes
+# that start them, and the most one costs (the object and its 8-byte slot in a list): negative
+# fixints -32..-6 (a new 28-byte int from 1 byte), int8 (one from 2), strs of 2 to 7 bytes (up
+# to 100 bytes each: "ab", one non-Latin-1 character), and str8/str16 headers (a crafted file
+# may write a short str in them). A flat list of them would take 20-40 bytes per byte before
+# any hook could refuse it, so every payload byte that could start one is charged before
+# decoding as if it did. Bytes inside other values are charged too: nothing in ASCII text, ~7
+# per byte in binary data or floats, ~12 in East Asian text -- within the limit.
+_HOT = (
+    (bytes(range(0xE0, 0xFB)), 36),
+    (b"\xd0", 36),
+    (bytes(range(0xA2, 0xA8)), 108),
+    (b"\xd9\xda", 108),
+)
 
 _SCALARS = (type(None), bool, float, bytes)
 
@@ -130,21 +150,22 @@ def dump_state(sd: dict[Any, Any]) -> bytes:
             f"dump_state() expects the dict returned by state_dict(), got {_type_name(sd)}"
         )
     try:
-        cost = _walk(sd, decoded=False)
+        _walk(sd, decoded=False)
     except _NotPlain as exc:
         raise CheckpointError(f"{exc.describe('state')}; {exc.hint}") from None
     try:
         payload = msgpack.packb(sd, use_bin_type=True, datetime=False)
     except Exception as exc:  # the walk admits only what msgpack packs; kept for the contract
         raise CheckpointError(f"could not encode the state as msgpack: {exc}") from exc
-    if cost > container_budget(len(payload)):
+    try:
+        _decode_payload(payload)  # priced as load_state prices it: the same code, not a model
+    except _OverBudget as exc:
         # load_state would refuse it: better no checkpoint now than one that never loads.
         raise CheckpointError(
-            f"the state holds too many small lists and dicts: "
-            f"{_over_budget(_mib(cost), len(payload))}; "
-            "load_state() refuses such a file -- store long runs of tiny or empty containers "
-            "as one flat list or as bytes in your state_dict()"
-        )
+            f"the state is too large for its size in bytes: {exc.detail}; load_state() "
+            "refuses such a file -- store long runs of tiny containers, short strs or small "
+            "negative ints as bytes or as one flat list of ints in your state_dict()"
+        ) from None
     return _frame(payload)
 
 
@@ -194,7 +215,7 @@ def load_state(data: bytes | bytearray | memoryview) -> dict[Any, Any]:
             "checkpoint, or cut the file to its first "
             f"{HEADER_SIZE + declared} bytes if you know the extra bytes were appended"
         )
-    payload = buf[HEADER_SIZE:]
+    payload = memoryview(buf)[HEADER_SIZE:]  # not a copy: its memory counts towards the limit
     if _checksum(buf[:_CHECKSUMMED_HEADER], payload) != checksum:
         _fail(
             "checksum mismatch: the state is corrupt (its bytes changed after dump_state wrote "
@@ -206,7 +227,13 @@ def load_state(data: bytes | bytearray | memoryview) -> dict[Any, Any]:
             f"{CODEC_VERSION} does not define; it was written by a newer resumable_loader -- "
             "upgrade resumable_loader to load it"
         )
-    state = _decode_payload(payload)
+    try:
+        state = _decode_payload(payload, whole=buf)
+    except _OverBudget as exc:
+        _fail(
+            f"refused while decoding: {exc.detail}; dump_state never writes such a payload -- "
+            "use a file that dump_state wrote"
+        )
     if not isinstance(state, dict):
         _fail(
             f"the payload decodes to {_type_name(state)}, not a dict; it was not written by "
@@ -248,17 +275,23 @@ def _read_header(buf: bytes) -> tuple[int, int, int, bytes]:
     return flags, reserved, declared, checksum
 
 
-def _decode_payload(payload: bytes) -> object:
+def _decode_payload(payload: bytes | memoryview, whole: bytes | None = None) -> object:
+    """Decode ``payload`` within its memory budget (``_Budget``); ``whole``: the file that ends
+    with it, if it is a view of one (counted in place rather than copied)."""
     limit = len(payload)  # no string, array or map can be longer than the bytes that hold it
-    budget = _Budget(limit)
+    budget = _Budget(limit, bytes(payload) if whole is None else whole)
     try:
         obj = msgpack.unpackb(
             payload,
             raw=False,
             use_list=True,
-            list_hook=budget.charge_list,
-            strict_map_key=False,  # int keys are allowed; _dict_from_pairs checks every key
-            object_pairs_hook=budget.dict_from_pairs,
+            list_hook=budget.list_hook,
+            # msgpack builds each dict itself: with object_pairs_hook it would first build a
+            # 56-byte tuple per pair (28 bytes per byte of a map of small pairs), out of reach
+            # of the budget until the map ends. A key repeated in a map keeps its last value,
+            # as in json; dump_state never writes one.
+            strict_map_key=False,  # int keys are allowed; object_hook checks every key
+            object_hook=budget.object_hook,
             ext_hook=_refuse_ext,
             timestamp=0,  # timestamps bypass ext_hook; they decode to Timestamp, refused below
             max_str_len=limit,
@@ -267,14 +300,18 @@ def _decode_payload(payload: bytes) -> object:
             max_map_len=limit,
             max_ext_len=limit,
         )
-    except CheckpointError:
+    except (CheckpointError, _OverBudget):
         raise
-    except Exception as exc:  # ValueError, ExtraData, FormatError, StackError, TypeError, ...
-        raise CheckpointError(
-            f"the payload is not valid msgpack although its checksum matches "
-            f"({_describe_exc(exc)}); it was written by something other "
-            "than dump_state -- use a file that dump_state wrote"
-        ) from exc
+    except TypeError as exc:
+        kind = re.fullmatch(r"unhashable type: '(\w+)'", str(exc))
+        if kind is None:
+            raise _not_msgpack(exc) from exc
+        _fail(
+            f"the payload has a map key of type {kind[1]}; dump_state writes only str and int "
+            "keys -- use a file that dump_state wrote"
+        )
+    except Exception as exc:  # ValueError, ExtraData, FormatError, StackError, ...
+        raise _not_msgpack(exc) from exc
     try:
         if not _decoded_is_plain(obj):
             _walk(obj, decoded=True)  # finds the fault and its path
@@ -286,52 +323,157 @@ def _decode_payload(payload: bytes) -> object:
     return obj
 
 
+def _not_msgpack(exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"the payload is not valid msgpack although its checksum matches "
+        f"({_describe_exc(exc)}); it was written by something other "
+        "than dump_state -- use a file that dump_state wrote"
+    )
+
+
+class _OverBudget(Exception):
+    """Decoding would take more memory than the payload's budget allows (``detail`` says
+    how much); load_state and dump_state word it for their callers."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+def _shared_scalars() -> tuple[Any, ...]:
+    """The scalars msgpack hands out shared rather than built (None, the bools, CPython's small
+    ints, empty and one-character strs and bytes): found by decoding them twice, so that a
+    Python that caches fewer merely charges more. Kept alive here: their ids stay theirs."""
+    sample = [
+        None,
+        True,
+        False,
+        *range(-32, 257),
+        "",
+        *map(chr, range(256)),
+        b"",
+        *(bytes((i,)) for i in range(256)),
+    ]
+    payload = msgpack.packb(sample, use_bin_type=True)
+    first, second = msgpack.unpackb(payload), msgpack.unpackb(payload)
+    return tuple(a for a, b in zip(first, second) if a is b)
+
+
+_SHARED = _shared_scalars()
+_SHARED_IDS = frozenset(map(id, _SHARED))
+_SHARED_BY_KIND: dict[type, frozenset[Any]] = {
+    kind: frozenset(x for x in _SHARED if type(x) is kind) for kind in (int, str, bytes)
+}
+# Values that cost nothing beyond their slot: shared singletons, and containers (charged by
+# their own hook).
+_FREE_KINDS = frozenset({type(None), bool, list, dict})
+
+
+def _scalars_cost(items: Any, kinds: set[type]) -> int:
+    """What the scalars among ``items`` (a list, or a dict's keys or values, of the types
+    ``kinds``) cost beyond their slots: each one msgpack built. Shared scalars cost nothing, and
+    a container was charged by its own hook. Values of one type (the common case) are priced at
+    C speed."""
+    if len(kinds) == 1:
+        [kind] = kinds
+        if kind in _FREE_KINDS:
+            return 0
+        cost = sum(map(getsizeof, items))
+        shared = _SHARED_BY_KIND.get(kind)
+        if shared:  # by value: among values of one kind, msgpack shares exactly these
+            cost -= sum(map(getsizeof, filter(shared.__contains__, items)))
+        return cost
+    return sum(
+        getsizeof(x) for x in items if type(x) not in _FREE_KINDS and id(x) not in _SHARED_IDS
+    )
+
+
 class _Budget:
-    """Charges each container as msgpack builds it, and stops the decoding as soon as the
-    payload's containers cost more than its length allows (see CONTAINER_BYTES_PER_BYTE): the
-    memory spent before a refusal is bounded too."""
+    """Bounds the memory a decode takes, as msgpack goes, and stops it as soon as the bound
+    passes the payload's limit (``decoded_budget``): the memory spent before a refusal is
+    bounded too.
 
-    def __init__(self, payload_size: int) -> None:
+    The bound: what is built and charged (each container and its scalars, at what CPython
+    pays, when its hook runs) plus TRANSIENT_BYTES_PER_BYTE for every payload byte not yet
+    charged (what msgpack may have built from it, out of the hooks' sight: the items of an open
+    list), plus the ``_HOT`` scalars, which may cost more per byte, charged before decoding.
+    A hook takes back the transient charge of the bytes it prices (at least: its scalars
+    re-encoded, see ``_encoded``), so plain data -- ints, floats, strs, bytes in long lists --
+    costs what it costs, and only runs of tiny containers add up past the limit."""
+
+    def __init__(self, payload_size: int, whole: bytes) -> None:
+        """``whole``: bytes that end with the payload (the file, or the payload itself)."""
         self.size = payload_size
-        self.left = container_budget(payload_size)
-        self.cost = 0
+        self.left = decoded_budget(payload_size)
+        head = whole[: len(whole) - payload_size]
+        hot = sum(w * (_count(whole, start) - _count(head, start)) for start, w in _HOT)
+        self._charge(TRANSIENT_BYTES_PER_BYTE * payload_size + hot)
 
-    def charge_list(self, items: list[Any]) -> list[Any]:
-        self._charge(list_cost(len(items)))
+    def list_hook(self, items: list[Any]) -> list[Any]:
+        kinds = set(map(type, items))
+        if kinds <= _ONE_BYTE:  # [], [None, True], [[], {}]: nothing to re-encode
+            encoded = 1 + sum(map(_ONE_BYTE_KINDS.__getitem__, map(type, items)))
+            self._charge(getsizeof(items) - TRANSIENT_BYTES_PER_BYTE * encoded)
+            return items
+        if kinds == _INT and all(map(_SHARED_INTS.__contains__, items)):  # [1, 2]
+            self._charge(getsizeof(items) - TRANSIENT_BYTES_PER_BYTE * (1 + len(items)))
+            return items
+        cost = getsizeof(items) + _scalars_cost(items, kinds)
+        self._charge(cost - TRANSIENT_BYTES_PER_BYTE * _encoded(items, kinds))
         return items
 
-    def dict_from_pairs(self, pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-        self._charge(dict_cost(len(pairs)))
-        return _dict_from_pairs(pairs)
-
-    def _charge(self, cost: int) -> None:
-        self.cost += cost
-        self.left -= cost
-        if self.left < 0:
-            _fail(
-                f"refused while decoding: {_over_budget('more', self.size)}; dump_state never "
-                "writes such a payload -- use a file that dump_state wrote"
-            )
-
-
-def _dict_from_pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    # msgpack would build the dict itself; doing it here refuses unhashable (list, map) and
-    # non-str/int keys with a clear message, and duplicate keys instead of silently keeping the
-    # last one.
-    out: dict[Any, Any] = {}
-    for key, value in pairs:
-        if type(key) is not str and type(key) is not int:
+    def object_hook(self, obj: dict[Any, Any]) -> dict[Any, Any]:
+        keys = set(map(type, obj))
+        if not keys <= _KEY_TYPES:
+            key = next(k for k in obj if type(k) not in _KEY_TYPES)
             _fail(
                 f"the payload has a map key of type {_type_name(key)}; dump_state writes only "
                 "str and int keys -- use a file that dump_state wrote"
             )
-        if key in out:
-            _fail(
-                f"the payload has the map key {clip_text(repr(key), 60)} twice; dump_state never "
-                "writes that -- use a file that dump_state wrote"
-            )
-        out[key] = value
-    return out
+        values = set(map(type, obj.values()))
+        cost = getsizeof(obj) + _scalars_cost(obj, keys) + _scalars_cost(obj.values(), values)
+        self._charge(cost - TRANSIENT_BYTES_PER_BYTE * _encoded(obj, values))
+        return obj
+
+    def _charge(self, cost: int) -> None:
+        self.left -= cost
+        if self.left < 0:
+            raise _OverBudget(_over_budget(self.size))
+
+
+def _count(data: bytes, values: bytes) -> int:
+    """How many bytes of ``data`` are among ``values``: translate counts at C speed, and its
+    copy is gone at once."""
+    return len(data) - len(data.translate(None, values))
+
+
+def _encoded(container: list[Any] | dict[Any, Any], kinds: set[type]) -> int:
+    """At most the bytes that encode ``container`` (a list, or a dict whose values are of the
+    types ``kinds``) without its containers, which count their own: re-encoded in msgpack's
+    shortest form, floats counted as float32 (the shortest a file may hold them in)."""
+    if kinds & _CONTAINERS:
+        if isinstance(container, dict):
+            container = {k: v for k, v in container.items() if type(v) not in _CONTAINERS}
+        else:
+            container = [x for x in container if type(x) is not list and type(x) is not dict]
+    size = len(msgpack.packb(container, use_bin_type=True, datetime=False))
+    if float in kinds:
+        items = container.values() if isinstance(container, dict) else container
+        size -= 4 * sum(type(x) is float for x in items)
+    return size
+
+
+# Values that take one byte each and nothing to price: nil, the bools; containers count their
+# own bytes (0 here).
+_ONE_BYTE_KINDS = {type(None): 1, bool: 1, list: 0, dict: 0}
+_ONE_BYTE = frozenset(_ONE_BYTE_KINDS)
+_INT = {int}
+_SHARED_INTS = _SHARED_BY_KIND[int]
+
+
+_KEY_TYPES = frozenset({str, int})
+_EMPTY_LIST = getsizeof([])
+_EMPTY_DICT = getsizeof({})
 
 
 def _refuse_ext(code: int, data: bytes) -> NoReturn:
@@ -342,16 +484,14 @@ def _refuse_ext(code: int, data: bytes) -> NoReturn:
     )
 
 
-def _walk(root: object, *, decoded: bool) -> int:
-    """Raise _NotPlain at the first value under ``root`` that is not plain data; return what its
-    containers cost once decoded (``list_cost``, ``dict_cost``).
+def _walk(root: object, *, decoded: bool) -> None:
+    """Raise _NotPlain at the first value under ``root`` that is not plain data.
 
     Iterative, so that depth is limited by ``MAX_DEPTH`` rather than by Python's recursion limit,
     and lazy: it holds one iterator per open container, so its own memory grows with the depth,
     not with the number of values. ``decoded`` is true for the output of msgpack, which needs no
     range or encoding checks.
     """
-    cost = 0
     # frames[i] iterates over the (key, value) pairs of the i-th open container; keys[i] is the
     # key of the value it gave last: the path of the value at hand, after the root's None.
     frames: list[Iterator[tuple[Any, Any]]] = [iter(((None, root),))]
@@ -376,7 +516,6 @@ def _walk(root: object, *, decoded: bool) -> int:
         elif kind is list or (kind is tuple and not decoded):
             if len(frames) > MAX_DEPTH:
                 raise _NotPlain(keys, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
-            cost += list_cost(len(value))
             if _leaves_are_plain(value, decoded):
                 continue
             frames.append(enumerate(value))
@@ -384,14 +523,12 @@ def _walk(root: object, *, decoded: bool) -> int:
         elif isinstance(value, dict) and (kind is dict or not decoded):
             if len(frames) > MAX_DEPTH:
                 raise _NotPlain(keys, f"nested deeper than {MAX_DEPTH} levels", _DEPTH_HINT)
-            cost += dict_cost(len(value))
             for k in value:
                 _check_key(k, keys, decoded)
             frames.append(iter(value.items()))
             keys.append(None)
         else:
             raise _NotPlain(keys, f"type {_type_name(value)} is not plain data", _hint(value))
-    return cost
 
 
 _CONTAINERS = frozenset({list, dict})
@@ -424,27 +561,18 @@ def _decoded_is_plain(root: object) -> bool:
     return True
 
 
-def list_cost(n: int) -> int:
-    """The modelled memory of a decoded list of ``n`` items (see CONTAINER_BYTES_PER_BYTE)."""
-    return 56 + 8 * n
+def decoded_budget(payload_size: int) -> int:
+    """The memory decoding a payload of ``payload_size`` bytes may take (see
+    DECODED_BYTES_PER_BYTE)."""
+    return DECODED_BYTES_PER_BYTE * payload_size + DECODED_ALLOWANCE
 
 
-def dict_cost(n: int) -> int:
-    """The modelled memory of a decoded dict of ``n`` items (see CONTAINER_BYTES_PER_BYTE)."""
-    return 224 + 48 * n if n else 64
-
-
-def container_budget(payload_size: int) -> int:
-    """What the containers of a payload of ``payload_size`` bytes may cost when decoded."""
-    return CONTAINER_BYTES_PER_BYTE * payload_size + CONTAINER_ALLOWANCE
-
-
-def _over_budget(cost: str, payload_size: int) -> str:
+def _over_budget(payload_size: int) -> str:
     return (
-        f"its lists and dicts take {cost} of memory for a {payload_size}-byte payload, more "
-        f"than the {_mib(container_budget(payload_size))} allowed ({CONTAINER_BYTES_PER_BYTE} "
-        f"bytes per payload byte plus {_mib(CONTAINER_ALLOWANCE)}, so that a small file cannot "
-        "fill the memory)"
+        f"decoded, it would take more than the {_mib(decoded_budget(payload_size))} of memory "
+        f"allowed for a {payload_size}-byte payload ({DECODED_BYTES_PER_BYTE} bytes per "
+        f"payload byte plus {_mib(DECODED_ALLOWANCE)}, so that a small file cannot fill the "
+        "memory)"
     )
 
 
@@ -544,7 +672,7 @@ def _frame(payload: bytes) -> bytes:
     return prefix + _checksum(prefix, payload) + payload
 
 
-def _checksum(header_prefix: bytes, payload: bytes) -> bytes:
+def _checksum(header_prefix: bytes, payload: bytes | memoryview) -> bytes:
     h = hashlib.blake2b(header_prefix, digest_size=CHECKSUM_SIZE)
     h.update(payload)
     return h.digest()

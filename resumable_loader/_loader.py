@@ -97,6 +97,41 @@ class RetryPolicy:
             )
 
 
+def _check_deferred_args(generator: Any, prefetch_factor: Any) -> None:
+    """Check the arguments torch's constructor stores unchecked: a wrong one would fail at the
+    first batch, far from the call that passed it (torch: TypeError or AssertionError from its
+    iterator) -- or, for prefetch_factor 0, not at all."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        seed = generator if type(generator) is int else "seed"
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {_kind(generator)} "
+            f"{clip_text(repr(generator), 60)}; to seed the loader, pass "
+            f"generator=torch.Generator().manual_seed({seed})"
+        )
+    # torch's constructor has refused it without workers, and made None 2 with them.
+    if prefetch_factor is not None and (
+        isinstance(prefetch_factor, bool) or not isinstance(prefetch_factor, int)
+    ):
+        raise TypeError(
+            f"prefetch_factor must be an int >= 1 (batches loaded ahead per worker) or None, "
+            f"got {_kind(prefetch_factor)} {clip_text(repr(prefetch_factor), 60)}"
+        )
+    if prefetch_factor is not None and prefetch_factor < 1:
+        raise ValueError(
+            f"prefetch_factor must be an int >= 1 (batches loaded ahead per worker) or None, "
+            f"got {prefetch_factor}"
+        )
+
+
+def _kind(value: Any) -> str:
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+
+
 def _check_our_args(
     task_timeout: float | None,
     max_task_attempts: int,
@@ -231,6 +266,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         )
         if not _TORCH_HAS_IN_ORDER:
             self.in_order = in_order
+        _check_deferred_args(generator, self.prefetch_factor)
         stream_state_every = _check_our_args(
             task_timeout,
             max_task_attempts,

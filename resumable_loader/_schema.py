@@ -617,7 +617,10 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
     cfg = sd.get(K_CONFIG)
     if not isinstance(cfg, dict):
         raise _fail(K_CONFIG, f"expected a dict, got {type(cfg).__name__}", "the state is damaged")
-    batch = cfg.get("batch_size")
+    for name in _CONFIG_REQUIRED:
+        if name not in cfg:
+            raise _fail(f"config.{name}", "missing", _ALWAYS_THERE)
+    batch = cfg["batch_size"]
     if batch is not None and (type(batch) is not int or batch < 1):
         raise _fail(
             "config.batch_size",
@@ -632,11 +635,18 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
             f"{clip_repr(own)}",
             "the state is damaged",
         )
-    saved_len = cfg.get("dataset_len")
+    saved_len = cfg["dataset_len"]
     if saved_len is not None and (type(saved_len) is not int or saved_len < 0):
         raise _fail(
             "config.dataset_len",
             f"expected None or an int >= 0, got {clip_repr(saved_len)}",
+            "the state is damaged",
+        )
+    workers = cfg["num_workers"]
+    if type(workers) is not int or workers < 0:
+        raise _fail(
+            "config.num_workers",
+            f"expected an int >= 0, got {clip_repr(workers)}",
             "the state is damaged",
         )
     fields = list(MUST_MATCH)
@@ -657,6 +667,14 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
         )
 
 
+# Config keys every state has had, read on every resume: batch_size says what ``consumed`` counts
+# (a state without it would resume at another sample), dataset_len what the data is checked
+# against. (batch_sampler is newer than version 4: absent means "not said".)
+_CONFIG_REQUIRED = ("batch_size", "dataset_len", "num_workers")
+
+_ALWAYS_THERE = "the state is damaged (a loader state always has it)"
+
+
 def _resized_sampler(description: Any, saved_len: Any, now_len: Any) -> Any:
     """A saved sampler description as it reads over a dataset resized from ``saved_len`` to
     ``now_len``: a RandomSampler's ``num_samples`` defaults to the dataset's length, so it
@@ -671,7 +689,8 @@ def _resized_sampler(description: Any, saved_len: Any, now_len: Any) -> Any:
 
 
 def _read_dataset(sd: dict[str, Any]) -> dict[str, Any] | None:
-    """The state's record of its data; None in a state written before dataset checks."""
+    """The state's record of its data; None in a state written before dataset checks (version
+    4 states too: they came within it), whose class and fingerprint are not checked."""
     if K_DATASET not in sd:
         return None
     rec = sd[K_DATASET]
@@ -683,7 +702,10 @@ def _read_dataset(sd: dict[str, Any]) -> dict[str, Any] | None:
 
 def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -> None:
     """A stateful user sampler's part: its state, what was drawn, what is outstanding."""
-    rp.sampler_state = sd.get(K_SAMPLER_STATE)
+    if K_SAMPLER_STATE not in sd:
+        # Without it the sampler would start its epoch afresh, re-sending what was consumed.
+        raise _fail(K_SAMPLER_STATE, "missing", _ALWAYS_THERE)
+    rp.sampler_state = sd[K_SAMPLER_STATE]
     rp.drawn = _int(sd, K_DRAWN)
     done = sd.get(K_SAMPLER_DONE, False)
     if type(done) is not bool:
@@ -722,7 +744,12 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
 
 
 def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
-    """A stream's part: where each of the ``n`` workers' shards stands, who comes next."""
+    """A stream's part: where each of the ``n`` workers' shards stands, who comes next.
+
+    Each entry has all its keys: without ``dataset_state`` a shard would restart from its
+    beginning, and ``id`` (the entry's place) tells entries moved about from the right ones.
+    (``state_at`` may be absent in a version-3 state: taken then after all delivered.)"""
+    v4 = _same(sd[K_VERSION], VERSION)
     workers = sd.get(K_WORKERS)
     if not isinstance(workers, list) or len(workers) != n:
         raise _fail(
@@ -740,16 +767,23 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
             raise _fail(
                 f"{K_WORKERS}[{i}]", f"malformed entry {clip_repr(w)}", "the state is damaged"
             )
-        at = w.get("state_at", w["delivered"] if w.get("dataset_state") is not None else 0)
+        for key in ("id", "dataset_state", "state_at") if v4 else ("dataset_state",):
+            if key not in w:
+                raise _fail(f"{K_WORKERS}[{i}].{key}", "missing", _ALWAYS_THERE)
+        if "id" in w and not _same(w["id"], i):
+            raise _fail(
+                f"{K_WORKERS}[{i}].id",
+                f"expected {i} (entries are in worker order), got {clip_repr(w['id'])}",
+                "the state is damaged",
+            )
+        at = w.get("state_at", w["delivered"] if w["dataset_state"] is not None else 0)
         if type(at) is not int or not 0 <= at <= w["delivered"]:
             raise _fail(
                 f"{K_WORKERS}[{i}].state_at",
                 f"expected an int in [0, delivered={w['delivered']}], got {clip_repr(at)}",
                 "the state is damaged",
             )
-        rp.workers.append(
-            WorkerPosition(w["delivered"], w["exhausted"], w.get("dataset_state"), at)
-        )
+        rp.workers.append(WorkerPosition(w["delivered"], w["exhausted"], w["dataset_state"], at))
     rp.next_worker = _int(sd, K_NEXT_WORKER)
     if rp.next_worker >= n:
         raise _fail(
@@ -760,7 +794,11 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
 
 
 def _read_triples(sd: dict[str, Any], key: str, valid: Any, shape: str) -> list[list[Any]]:
-    """A list of three-item lists under ``key`` (absent: empty), each passing ``valid``."""
+    """A list of three-item lists under ``key``, each passing ``valid``. Every state has both
+    lists (``skipped_samples`` is absent only in a version-3 state: nothing skipped then);
+    without one, the resume would deliver again what was skipped."""
+    if key not in sd and (key == K_SKIPPED or _same(sd[K_VERSION], VERSION)):
+        raise _fail(key, "missing", _ALWAYS_THERE)
     entries = sd.get(key, [])
     if not isinstance(entries, list) or not all(
         isinstance(x, list) and len(x) == 3 and valid(x) for x in entries

@@ -288,6 +288,54 @@ def test_invalid_arguments_raise_like_torch(kwargs: dict) -> None:
     assert str(ours.value) == str(theirs.value)
 
 
+# Arguments torch's constructor stores unchecked, so that they fail at the first batch (or, for
+# prefetch_factor=0 ... torch's iterator asserts): refused when the loader is built, saying
+# what to pass.
+DEFERRED_ARGS = {
+    "generator-int": (
+        dict(generator=1234),
+        TypeError,
+        r"torch\.Generator\(\)\.manual_seed\(1234\)",
+    ),
+    "generator-int-shuffle": (dict(generator=7, shuffle=True), TypeError, r"manual_seed\(7\)"),
+    "generator-numpy": (
+        dict(generator=np.random.default_rng(0)),
+        TypeError,
+        r"got numpy\.random\._generator\.Generator .*manual_seed\(seed\)",
+    ),
+    "prefetch_factor=0": (dict(num_workers=1, prefetch_factor=0), ValueError, r"an int >= 1"),
+    "prefetch_factor=1.5": (dict(num_workers=1, prefetch_factor=1.5), TypeError, r"got float 1\.5"),
+}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"), DEFERRED_ARGS.values(), ids=DEFERRED_ARGS.keys()
+)
+def test_arguments_torch_checks_at_the_first_batch_are_refused_when_built(
+    kwargs: dict, error: type[Exception], message: str
+) -> None:
+    kwargs = {"dataset": RangeDataset(5), **kwargs}
+    TorchDataLoader(**kwargs)  # torch builds it, and fails when iterated
+    if "prefetch_factor" not in kwargs or kwargs["prefetch_factor"]:
+        # (With prefetch_factor=0 its iterator's assert leaves a half-built iterator whose
+        # __del__ raises too.)
+        assert torch_error_type(**kwargs) is error
+    with pytest.raises(error, match=message):
+        Ours(**kwargs)
+
+
+def test_a_torch_generator_subclass_is_accepted() -> None:
+    class Seeded(torch.Generator):
+        pass
+
+    def order(gen: torch.Generator) -> list[int]:
+        return [int(b) for b in Ours(list(range(20)), shuffle=True, generator=gen)]
+
+    first = order(Seeded().manual_seed(3))
+    assert sorted(first) == list(range(20))
+    assert order(Seeded().manual_seed(3)) == first
+
+
 LEN_CASES = {
     "map-bs1": dict(dataset=RangeDataset(N)),
     "map-bs7": dict(dataset=RangeDataset(N), batch_size=7),
