@@ -184,10 +184,15 @@ class Epoch:
 
     def left(self) -> list[int]:
         """Positions no rank has consumed, in the epoch's order, padding excluded."""
-        # Every position of the order counts, also one that the current cut trimmed
-        # (drop_last): that trim happens at the epoch's end, which a re-cut moves.
         taken = {p for r in self.ranks for p in r.delivered_positions()}
-        return sorted(set(range(len(self.order))) - taken - self.gone)
+        if taken:
+            # A level some rank consumed from is closed: its DistributedSampler(drop_last)
+            # trim stays dropped (what issue 31 item 11 counts in the resize's warning).
+            kept = {p for r in self.ranks for p in r.share if not is_pad(p)}
+        else:
+            # Nothing consumed since the last cut: no trim of it applies, all is left.
+            kept = set(range(len(self.order))) - self.gone
+        return sorted(kept - taken)
 
 
 def start_epoch(
@@ -235,10 +240,8 @@ def recut(
     """
     left = e.left()
     rest = left[skip:]
-    if spec.sampler == "dist":
-        shares = cut_for_ranks(rest, world, spec.dist_drop_last)
-    else:
-        shares = [rest]
+    dist = spec.sampler == "dist"
+    shares = cut_for_ranks(rest, world, spec.dist_drop_last) if dist else [rest]
     ranks = [RankPlace(s, cut(s, batch_size, drop_last)) for s in shares]
     gone = frozenset(range(len(e.order))) - frozenset(rest)
     out = Epoch(e.epoch, e.order, ranks, gone=gone)
@@ -248,7 +251,9 @@ def recut(
 
 def keep(e: Epoch) -> Epoch:
     """The rest of ``e`` as a same-shaped resume continues it: the same batches."""
-    ranks = [RankPlace(list(r.share), [list(b) for b in r.batches], set(r.delivered)) for r in e.ranks]
+    ranks = [
+        RankPlace(list(r.share), [list(b) for b in r.batches], set(r.delivered)) for r in e.ranks
+    ]
     return Epoch(e.epoch, e.order, ranks, e.emptied_by_skip, e.gone)
 
 

@@ -68,6 +68,9 @@ from resumable_loader.testing import Resources, leaks_since, roundtrip_state, wo
 #          job as "between two epochs" when the only ranks that consumed anything have
 #          delivered their whole share (fuzz/test_regressions.py).
 KNOWN_BUGS = {"item1", "item2", "item5", "skip-out-of-step"}
+# FUZZ_KNOWN_BUGS="item2,item5" (or "" for none) overrides the set, to check a fix.
+if "FUZZ_KNOWN_BUGS" in os.environ:
+    KNOWN_BUGS = {b for b in os.environ["FUZZ_KNOWN_BUGS"].split(",") if b}
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 EXAMPLES = {"ci": 60, "long": 3000}.get(PROFILE, settings.default.max_examples)
@@ -217,9 +220,7 @@ class UserMachine(RuleBasedStateMachine):
         sources = {name: Source(k, n) for k, (name, n) in enumerate(zip(names, self.job.mixture))}
         return Mixture(sources, dict(zip(names, weights)), seed=self.job.mix_seed)
 
-    def _build_rank(
-        self, rank: int, world: int, batch_size: int, opts: Opts, weights: Any
-    ) -> Rank:
+    def _build_rank(self, rank: int, world: int, batch_size: int, opts: Opts, weights: Any) -> Rank:
         job = self.job
         mix = self._mixture(weights) if job.mixture is not None else None
         ds: Any = mix if mix is not None else Items(job.spec.n)
@@ -313,9 +314,7 @@ class UserMachine(RuleBasedStateMachine):
             # What the new weights allow: the model's batch size, no source weighted 0.
             assert len(got) == len(place.batches[todo[0]]), (got, place.batches[todo[0]])
             zero = {
-                1000 * (SOURCES.index(s) + 1)
-                for s, w in self.ref_mix.weights.items()
-                if w == 0
+                1000 * (SOURCES.index(s) + 1) for s, w in self.ref_mix.weights.items() if w == 0
             }
             assert not {v // 1000 * 1000 for v in got} & zero, f"a source weighted 0 in {got}"
             place.delivered.add(todo[0])
@@ -326,9 +325,9 @@ class UserMachine(RuleBasedStateMachine):
                 place.delivered.add(i)
                 return
         expected = [R.values(e, place.batches[i], self.value_of) for i in candidates]
+        promise = f"one of {expected}" if len(expected) > 1 else f"{expected[0]}"
         raise AssertionError(
-            f"rank {r}/{self.world}, epoch {e.epoch}: got {got}, the docs promise "
-            f"{'one of ' if len(expected) > 1 else ''}{expected if len(expected) > 1 else expected[0]}"
+            f"rank {r}/{self.world}, epoch {e.epoch}: got {got}, the docs promise {promise}"
             "\nsteps:\n  " + "\n  ".join(self.trace)
         )
 
@@ -343,7 +342,8 @@ class UserMachine(RuleBasedStateMachine):
             batch = next(rank.it)
         except StopIteration:
             left = [
-                i for i in range(len(self.model.ranks[r].batches))
+                i
+                for i in range(len(self.model.ranks[r].batches))
                 if i not in self.model.ranks[r].delivered
             ]
             assert not left, (
@@ -489,7 +489,9 @@ class UserMachine(RuleBasedStateMachine):
         if finished:
             self.world, self.batch_size = world, batch_size
             model = self._fresh_epoch(e.epoch + 1)
-        elif own or (world == self.world and batch_size == self.batch_size and not skip and not dist):
+        elif own or (
+            world == self.world and batch_size == self.batch_size and not skip and not dist
+        ):
             model = R.keep(e) if own else R.recut(e, job.spec, world, batch_size, job.drop_last)
         else:
             model = R.recut(e, job.spec, world, batch_size, job.drop_last, skip)
@@ -548,6 +550,10 @@ UserMachine.TestCase.settings = settings(
     else list(Phase),
     stateful_step_count=STEPS,
     deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 TestUserMachine = pytest.mark.timeout(0 if PROFILE == "long" else 600)(UserMachine.TestCase)

@@ -37,7 +37,7 @@ def test_skip_after_one_rank_finished_its_share_skips_within_the_epoch() -> None
     assert next(iter(job[2][0])).tolist() == [2, 5]
     state = skip_samples(merge_rank_states([dl.state_dict() for dl, _ in job]), 1)
     # skip 1 (sample 0); the rest, 1, 3, 4, on one rank in one batch of 4.
-    (dl, s), = _ranks(6, 1, 4)
+    ((dl, s),) = _ranks(6, 1, 4)
     dl.load_state_dict(state)
     s.set_epoch(dl.state_dict()["distributed"]["sampler_epoch"])
     assert [b.tolist() for b in dl] == [[1, 3, 4]]
