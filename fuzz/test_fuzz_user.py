@@ -453,9 +453,22 @@ class UserMachine(RuleBasedStateMachine):
             skip = data.draw(st.integers(0, left), label="skip")
         own = dist and world == self.world and batch_size == self.batch_size and not skip
         own = own and data.draw(st.booleans(), label="own states")
-        if dist and not own and not self.opts.in_order and self.opts.num_workers:
-            # distributed.md: a state taken with in_order=False resumes only on the same world
-            # size, from each rank's own state.
+        ahead = dist and any(r.delivered != set(range(len(r.delivered))) for r in e.ranks)
+        reshaped = world != self.world or batch_size != self.batch_size or skip
+        if ahead and reshaped:
+            # distributed.md: with batches delivered ahead (in_order=False) the ranks' batches
+            # are not a prefix of their shares: refused on another world size (and, by the
+            # same reasoning, another batch size or a skip); exact on the same one.
+            merged_state = merge_rank_states(states)
+            probe = self._build_rank(0, world, batch_size, Opts(0, False, True), weights)
+            try:
+                with pytest.raises(CheckpointError):
+                    if skip:
+                        skip_samples(merged_state, skip)
+                    else:
+                        probe.loader.load_state_dict(merged_state)
+            finally:
+                probe.loader.close()
             world, batch_size, skip, own = self.world, self.batch_size, 0, True
             opts = replace(opts, num_workers=min(opts.num_workers, MAX_TOTAL_WORKERS // world))
         # data-plans.md: a DistributedSampler job between epochs (nothing of the epoch
