@@ -184,7 +184,9 @@ class Epoch:
 
     def left(self) -> list[int]:
         """Positions no rank has consumed, in the epoch's order, padding excluded."""
-        taken = {p for r in self.ranks for p in r.delivered_positions()}
+        # distributed.md: "the finished ranks count as having taken their whole share" (with
+        # the DataLoader's drop_last, the short tail of a share that it never delivers too).
+        taken = {p for r in self.ranks for p in (r.share if r.done() else r.delivered_positions())}
         if taken:
             # A level some rank consumed from is closed: its DistributedSampler(drop_last)
             # trim stays dropped (what issue 31 item 11 counts in the resize's warning).
