@@ -325,7 +325,10 @@ class UserMachine(RuleBasedStateMachine):
             assert not {v // 1000 * 1000 for v in got} & zero, f"a source weighted 0 in {got}"
             place.delivered.add(todo[0])
             return
-        candidates = todo[:1] if self.opts.in_order or not self.opts.num_workers else todo
+        unordered = not self.opts.in_order and self.opts.num_workers
+        # Once the model lost track of which equal batch came, the rest of the epoch is
+        # compared as a multiset of batches.
+        candidates = todo if unordered or self.ambiguous else todo[:1]
         matches = [i for i in candidates if R.values(e, place.batches[i], self.value_of) == got]
         if matches:
             # Two undelivered batches of equal values (a Mixture repeats a small source's
@@ -532,6 +535,7 @@ class UserMachine(RuleBasedStateMachine):
         if finished:
             self.world, self.batch_size = world, batch_size
             model = self._fresh_epoch(e.epoch + 1)
+            self.ambiguous = False
         elif dist and same_shape:
             # On the same world size and batch size each rank continues its own share, from
             # its own state or the job's global one: nothing to re-cut, nothing to pad.
@@ -605,8 +609,11 @@ class UserMachine(RuleBasedStateMachine):
         consumed positions are scattered over the epoch (a shuffle, ranks of a
         DistributedSampler, batches delivered ahead under in_order=False)."""
         n = self.job.spec.n
-        left = model.left()  # after the resume's skip: skipped samples are not ahead
-        consumed = set(range(n)) - set(left)
+        # Consumed or skipped (a skip's samples are not ahead); not a share that drop_last
+        # leaves without a batch, which the loader never delivers but nobody consumed.
+        consumed = set(model.gone) | {
+            p for r in model.ranks for p in r.delivered_positions() if not R.is_pad(p)
+        }
         prefix = consumed == set(range(len(consumed)))
         if finished:
             at = (e.epoch + 1) * n
