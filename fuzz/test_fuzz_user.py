@@ -69,7 +69,10 @@ from resumable_loader.testing import Resources, leaks_since, roundtrip_state, wo
 #          delivered their whole share (fuzz/test_regressions.py).
 #   item11: a resize with DistributedSampler(drop_last=True) warns of fewer dropped samples
 #          than it drops (the old world size's trim is not counted).
-KNOWN_BUGS = {"item1", "item2", "item5", "item11", "skip-out-of-step"}
+#   skip-pad-warning (new, found by this machine): a state from skip_samples loaded on a world
+#          size that must pad or drop the rest does so without the promised RuntimeWarning
+#          (fuzz/test_regressions.py).
+KNOWN_BUGS = {"item1", "item2", "item5", "item11", "skip-out-of-step", "skip-pad-warning"}
 # FUZZ_KNOWN_BUGS="item2,item5" (or "" for none) overrides the set, to check a fix.
 if "FUZZ_KNOWN_BUGS" in os.environ:
     KNOWN_BUGS = {b for b in os.environ["FUZZ_KNOWN_BUGS"].split(",") if b}
@@ -590,6 +593,8 @@ class UserMachine(RuleBasedStateMachine):
         dropped = len(before) - skip - sum(not R.is_pad(p) for p in shares)
         if not taken and not e.gone:
             return  # the epoch's start: torch's own shards, padded as torch pads them
+        if skip and "skip-pad-warning" in KNOWN_BUGS:
+            return  # skip-pad-warning: no warning after skip_samples
         if pads:
             assert any(f"{pads} of them are repeated" in m for m in said), (
                 f"the resume repeats {pads} samples to pad the last step; it warned {said}"

@@ -6,6 +6,8 @@ Each compares with what the docs promise, computed by hand.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 from torch.utils.data import DistributedSampler
 
@@ -41,3 +43,27 @@ def test_skip_after_one_rank_finished_its_share_skips_within_the_epoch() -> None
     dl.load_state_dict(state)
     s.set_epoch(dl.state_dict()["distributed"]["sampler_epoch"])
     assert [b.tolist() for b in dl] == [[1, 3, 4]]
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a state from skip_samples, loaded on ranks that must pad the rest, pads without "
+    "the RuntimeWarning distributed.md promises (fuzz: skip-pad-warning)",
+)
+def test_a_skipped_state_that_needs_padding_on_the_new_ranks_warns() -> None:
+    # 6 samples on 2 ranks, batch 1: each rank takes one (0 and 1); skip 1 (sample 2): 3, 4, 5
+    # are left for 2 ranks, so one sample is repeated to pad the last step, and
+    # distributed.md says "a RuntimeWarning says how many samples".
+    job = _ranks(6, 2, 1)
+    assert [next(iter(dl)).tolist() for dl, _ in job] == [[0], [1]]
+    state = skip_samples(merge_rank_states([dl.state_dict() for dl, _ in job]), 1)
+    new = _ranks(6, 2, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dl, _ in new:
+            dl.load_state_dict(state)
+    assert [[b.tolist() for b in dl] for dl, _ in new] == [[[3], [5]], [[4], [3]]]
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("1 of them are repeated" in m for m in said), said
