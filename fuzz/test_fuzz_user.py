@@ -462,17 +462,19 @@ class UserMachine(RuleBasedStateMachine):
         weights = self.weights
         if job.mixture is not None and data.draw(st.booleans(), label="new weights"):
             weights = data.draw(weights_strategy(len(job.mixture)), label="weights")
-        skip = 0
+        # Every draw is made whatever the job's state, so that a replay (timing decides which
+        # batches came first under in_order=False) draws the same choices.
         left = len(e.left()) if not finished else 0
-        if left and data.draw(st.booleans(), label="skip?"):
-            skip = data.draw(st.integers(0, left), label="skip")
+        skip_drawn = data.draw(st.none() | st.integers(0, 12), label="skip")
+        skip = min(skip_drawn, left) if skip_drawn is not None else 0
+        own_drawn = data.draw(st.booleans(), label="own states")
         if self.ambiguous and not finished:
             # The model does not know which of two equal batches came (in_order=False): only
             # a resume whose outcome does not depend on it.
             world, batch_size, skip, weights = self.world, self.batch_size, 0, self.weights
             opts = replace(opts, num_workers=min(opts.num_workers, MAX_TOTAL_WORKERS // world))
         own = dist and world == self.world and batch_size == self.batch_size and not skip
-        own = own and data.draw(st.booleans(), label="own states")
+        own = own and own_drawn
         ahead = dist and any(r.delivered != set(range(len(r.delivered))) for r in e.ranks)
         reshaped = world != self.world or batch_size != self.batch_size or skip
         if ahead and reshaped:
