@@ -217,7 +217,8 @@ class UserMachine(RuleBasedStateMachine):
         self.trace: list[str] = []
         # After a resume with new weights under a shuffling sampler, once item 5 is fixed: the
         # docs promise the new weights from the resume point on, in an order this model does
-        # not compute; the samples are then checked for what the weights allow, not one by one.
+        # not compute; from there to the example's end the samples are checked for what the
+        # weights allow (batch sizes, no source weighted 0), not one by one.
         self.loose = False
         self.ambiguous = False
         self.resumes = 0
@@ -381,7 +382,9 @@ class UserMachine(RuleBasedStateMachine):
                 f"the user's loop is at epoch {epoch - 1}, the data at epoch {self.model.epoch}"
             )
         self.model = self._fresh_epoch(epoch)
-        self.loose = self.ambiguous = False
+        # (self.loose stays: which positions the new weights hold after the fix of item 5 is
+        # that fix's choice, and later epochs' sources follow from it.)
+        self.ambiguous = False
         for rank in self.ranks:
             self._start_epoch(rank, epoch)
 
