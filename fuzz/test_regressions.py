@@ -1,0 +1,69 @@
+"""Minimal reproducers of bugs the fuzzers in fuzz/ found, each ``xfail(strict=True)`` until
+it is fixed; the fuzzer steers around each one (``KNOWN_BUGS`` in ``test_fuzz_user.py``).
+
+Each compares with what the docs promise, computed by hand.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from torch.utils.data import DistributedSampler
+
+from resumable_loader import CheckpointError, DataLoader, merge_rank_states, skip_samples
+
+
+def _ranks(n: int, world: int, batch_size: int) -> list[tuple[DataLoader, DistributedSampler]]:
+    out = []
+    for r in range(world):
+        s = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False)
+        s.set_epoch(0)
+        out.append((DataLoader(list(range(n)), batch_size=batch_size, sampler=s), s))
+    return out
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.xfail(
+    strict=True,
+    raises=CheckpointError,
+    reason="skip_samples refuses a mid-epoch DistributedSampler job as 'between two epochs' "
+    "when the only rank that consumed anything delivered its whole share (fuzz: "
+    "skip-out-of-step)",
+)
+def test_skip_after_one_rank_finished_its_share_skips_within_the_epoch() -> None:
+    # 6 samples on 3 ranks, batch 2: rank 2 delivers its share [2, 5] and its epoch ends;
+    # ranks 0 and 1 have not started. distributed.md: "the finished ranks count as having
+    # taken their whole share", so the job is in epoch 0 with 4 samples left: 0, 1, 3, 4.
+    job = _ranks(6, 3, 2)
+    assert next(iter(job[2][0])).tolist() == [2, 5]
+    state = skip_samples(merge_rank_states([dl.state_dict() for dl, _ in job]), 1)
+    # skip 1 (sample 0); the rest, 1, 3, 4, on one rank in one batch of 4.
+    ((dl, s),) = _ranks(6, 1, 4)
+    dl.load_state_dict(state)
+    s.set_epoch(dl.state_dict()["distributed"]["sampler_epoch"])
+    assert [b.tolist() for b in dl] == [[1, 3, 4]]
+
+
+# A regression found by the fuzzers in fuzz/.
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="a state from skip_samples, loaded on ranks that must pad the rest, pads without "
+    "the RuntimeWarning distributed.md promises (fuzz: skip-pad-warning)",
+)
+def test_a_skipped_state_that_needs_padding_on_the_new_ranks_warns() -> None:
+    # 6 samples on 2 ranks, batch 1: each rank takes one (0 and 1); skip 1 (sample 2): 3, 4, 5
+    # are left for 2 ranks, so one sample is repeated to pad the last step, and
+    # distributed.md says "a RuntimeWarning says how many samples".
+    job = _ranks(6, 2, 1)
+    assert [next(iter(dl)).tolist() for dl, _ in job] == [[0], [1]]
+    state = skip_samples(merge_rank_states([dl.state_dict() for dl, _ in job]), 1)
+    new = _ranks(6, 2, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dl, _ in new:
+            dl.load_state_dict(state)
+    assert [[b.tolist() for b in dl] for dl, _ in new] == [[[3], [5]], [[4], [3]]]
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("1 of them are repeated" in m for m in said), said
