@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 from torch.utils.data import DistributedSampler
 
 from resumable_loader import DataLoader, merge_rank_states, skip_samples
@@ -39,12 +38,6 @@ def test_skip_after_one_rank_finished_its_share_skips_within_the_epoch() -> None
 
 
 # A regression found by the fuzzers in fuzz/.
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="a state from skip_samples, loaded on ranks that must pad the rest, pads without "
-    "the RuntimeWarning distributed.md promises (fuzz: skip-pad-warning)",
-)
 def test_a_skipped_state_that_needs_padding_on_the_new_ranks_warns() -> None:
     # 6 samples on 2 ranks, batch 1: each rank takes one (0 and 1); skip 1 (sample 2): 3, 4, 5
     # are left for 2 ranks, so one sample is repeated to pad the last step, and
@@ -95,3 +88,31 @@ def test_skip_across_a_later_epochs_end_continues_the_unfinished_epoch() -> None
     # Left of epoch 1: the order without rank 2's share; the first of it skipped.
     rest = [i for i in order if i not in shares[2]]
     assert [b.tolist() for b in dl] == [rest[1:]]
+
+
+def test_a_skipped_state_that_drops_samples_on_the_new_ranks_warns() -> None:
+    # skip-pad-warning with DistributedSampler(drop_last=True): 6 samples on 2 ranks take 0
+    # and 1, skip 1 (sample 2); of 3, 4, 5 the last is dropped to cut 2 equal shares.
+    def job() -> list[DataLoader]:
+        return [
+            DataLoader(
+                list(range(6)),
+                batch_size=1,
+                sampler=DistributedSampler(
+                    range(6), num_replicas=2, rank=r, shuffle=False, drop_last=True
+                ),
+            )
+            for r in range(2)
+        ]
+
+    ranks = job()
+    assert [next(iter(dl)).tolist() for dl in ranks] == [[0], [1]]
+    state = skip_samples(merge_rank_states([dl.state_dict() for dl in ranks]), 1)
+    new = job()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dl in new:
+            dl.load_state_dict(state)
+    assert [[b.tolist() for b in dl] for dl in new] == [[[3]], [[4]]]
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert any("the last 1 of them are dropped" in m for m in said), said
