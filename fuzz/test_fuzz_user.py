@@ -72,7 +72,7 @@ from resumable_loader.testing import Resources, leaks_since, roundtrip_state, wo
 #   skip-pad-warning (new, found by this machine): a state from skip_samples loaded on a world
 #          size that must pad or drop the rest does so without the promised RuntimeWarning
 #          (fuzz/test_regressions.py).
-KNOWN_BUGS = {"item1", "item2", "item5", "item11", "skip-out-of-step", "skip-pad-warning"}
+KNOWN_BUGS = {"item1", "item2", "item5", "item11"}
 # FUZZ_KNOWN_BUGS="item2,item5" (or "" for none) overrides the set, to check a fix.
 if "FUZZ_KNOWN_BUGS" in os.environ:
     KNOWN_BUGS = {b for b in os.environ["FUZZ_KNOWN_BUGS"].split(",") if b}
