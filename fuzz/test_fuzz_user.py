@@ -58,21 +58,19 @@ from resumable_loader import (
 )
 from resumable_loader.testing import Resources, leaks_since, roundtrip_state, worker_pids
 
-# Bugs of issue 31 that other branches fix; while an item is here the machine steers around it
-# (each place that does says which). Remove the items as the fixes land -- the rules stay.
-#   item1: the distributed recipe's start_epoch (sampler_epoch) replays an epoch whose last
+# Known bugs the machine steers around (each place that does says which), so that a bug found
+# can be switched off until its fix lands -- the rules stay. Every switch of issue 31 is fixed:
+#   item1: the distributed recipe's start_epoch (sampler_epoch) replayed an epoch whose last
 #          batch was delivered before the state was taken.
-#   item2: Mixture.set_weights() before iter() does not reach persistent workers.
-#   item5: new weights at a resume under a shuffling sampler start only at the next epoch.
-#   skip-out-of-step (new, found by this machine): skip_samples refuses a DistributedSampler
-#          job as "between two epochs" when the only ranks that consumed anything have
-#          delivered their whole share (fuzz/test_regressions.py).
-#   item11: a resize with DistributedSampler(drop_last=True) warns of fewer dropped samples
-#          than it drops (the old world size's trim is not counted).
-#   skip-pad-warning (new, found by this machine): a state from skip_samples loaded on a world
-#          size that must pad or drop the rest does so without the promised RuntimeWarning
-#          (fuzz/test_regressions.py).
-KNOWN_BUGS = {"skip-out-of-step", "skip-pad-warning"}
+#   item2: Mixture.set_weights() before iter() did not reach persistent workers.
+#   item5: new weights at a resume under a shuffling sampler started only at the next epoch.
+#   item11: a resize with DistributedSampler(drop_last=True) miscounted what it drops.
+#   skip-out-of-step (found by this machine): skip_samples refused a DistributedSampler job as
+#          "between two epochs" when the only ranks that consumed anything had delivered their
+#          whole share (fuzz/test_regressions.py).
+#   skip-pad-warning (found by this machine): a state from skip_samples loaded on a world size
+#          that must pad or drop the rest did so without the promised RuntimeWarning.
+KNOWN_BUGS: set[str] = set()
 # FUZZ_KNOWN_BUGS="item2,item5" (or "" for none) overrides the set, to check a fix.
 if "FUZZ_KNOWN_BUGS" in os.environ:
     KNOWN_BUGS = {b for b in os.environ["FUZZ_KNOWN_BUGS"].split(",") if b}

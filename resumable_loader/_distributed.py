@@ -265,6 +265,26 @@ def recut(points: list[Any], plan: Any, batch: int | None, batch_drop: bool) -> 
     )
 
 
+def fresh_level(states: list[Any]) -> bool:
+    """Whether every rank's state (unvalidated, as ``split_global`` returns them) stands at
+    the start of a level that follows the epoch's first, with nothing of it taken: what
+    ``skip_samples`` writes, or a re-cut saved before ``iter()``. Such a level is cut by the
+    loader that loads it, even on the world size that saved it, so the load must go through
+    ``recut``, which warns where that cut pads or drops samples (``_warn_uneven``)."""
+
+    def fresh(sd: Any) -> bool:
+        dist = sd.get("distributed") if isinstance(sd, dict) else None
+        history = dist.get("history") if isinstance(dist, dict) else None
+        return (
+            isinstance(history, list)
+            and bool(history)
+            and sd.get("consumed") == 0
+            and not sd.get("delivered_ahead")
+        )
+
+    return all(fresh(sd) for sd in states)
+
+
 def delivered(length: int, world: int, counts: list[int]) -> tuple[int, int]:
     """``(real, repeats)``: of the samples each rank r delivered -- the first ``counts[r]`` of
     its share of torch's cut of a level of ``length`` for ``world`` ranks -- how many are

@@ -735,9 +735,12 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 len(states) != world
                 or self._plan.kind != DISTRIBUTED
                 or any(not self._same_batch(sd) for sd in states)
+                or D.fresh_level(states)
             ):
                 # Another world size or batch size (re-cut), or a sampler that cannot be
-                # re-cut: the re-cut says which.
+                # re-cut: the re-cut says which. A level nothing was taken of (after
+                # skip_samples) is cut here even on the same shape, and the re-cut warns
+                # where that cut pads or drops samples.
                 self._load_checked(self._recut(states, data), None, policy, rebatch=True)
                 return
             state_dict = states[rank]

@@ -259,6 +259,9 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
     """The ranks' states of a DistributedSampler job, ``n`` samples later: a new level for what
     each rank consumed, and one of world size 1 taking the next ``n`` samples."""
     points = [_parse(sd) for sd in states]
+    for p in points:
+        # As a load reads them: a finished rank's sampler_epoch is the next epoch's.
+        D.settle(p)
     desc = _description(states[0])
     m = _DIST.fullmatch(desc)
     total = states[0][S.K_CONFIG].get("dataset_len")
@@ -284,14 +287,17 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
             "reached."
         )
     started = [p for p in within if p.consumed or p.history]
-    if not started:
+    # A rank that delivered its whole share is in the next epoch already, but the job is not:
+    # the ranks still inside the epoch say which epoch it is (docs/distributed.md, "the
+    # finished ranks count as having taken their whole share").
+    if not started and not done:
         raise _fail(
             "the job is between two epochs of its DistributedSampler, and a skip stays inside "
             "the epoch the state is in. Skip from a state taken after the first step of the "
             "next epoch (the one the script sets with sampler.set_epoch(); the docs' recipe "
             "sets the state's distributed.sampler_epoch)."
         )
-    ref = started[0]
+    ref = (started or within)[0]
     if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
         raise _fail(
             "distributed: the ranks' states are from different epochs of the "
