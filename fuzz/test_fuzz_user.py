@@ -664,6 +664,7 @@ class UserMachine(RuleBasedStateMachine):
             # consumed" -- exact, the holes before it included (they keep the old plan).
             at = e.epoch * n + top
             if behind:
+                event("new weights at a resume: holes keep the old weights (shuffle=False)")
                 assert any(f"{behind} samples before it were not consumed" in m for m in said), (
                     f"{behind} samples before the new weights' start keep the old weights; "
                     f"the load warned {said}"
@@ -676,6 +677,8 @@ class UserMachine(RuleBasedStateMachine):
             # A rank's own state takes the other ranks to be in step with it, so the ranks
             # may place the start differently: the job-wide count of holes bounds each one's.
             self.old_weights_left = behind
+            if behind:
+                event("new weights at a resume: holes keep the old weights (loose)")
         self.ref_mix.set_weights(dict(zip(SOURCES, weights)), from_position=at)
         self.trace[-1] += f" -> new weights from {at}"
 
