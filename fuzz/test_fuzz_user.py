@@ -218,7 +218,8 @@ class UserMachine(RuleBasedStateMachine):
         # After a resume with new weights under a shuffling sampler, once item 5 is fixed: the
         # docs promise the new weights from the resume point on, in an order this model does
         # not compute; from there to the example's end the samples are checked for what the
-        # weights allow (batch sizes, no source weighted 0), not one by one.
+        # weights allow (batch sizes, no source weighted 0 but in the holes that keep the old
+        # weights), not one by one.
         self.loose = False
         # data-plans.md: the unconsumed samples before the last consumed one (batches delivered
         # ahead, ranks out of step) "keep the old weights": in loose mode, how many samples of
@@ -561,6 +562,7 @@ class UserMachine(RuleBasedStateMachine):
             self.world, self.batch_size = world, batch_size
             model = self._fresh_epoch(e.epoch + 1)
             self.ambiguous = False
+            self.old_weights_left = 0  # the holes were the finished epoch's
         elif dist and same_shape:
             # On the same world size and batch size each rank continues its own share, from
             # its own state or the job's global one: nothing to re-cut, nothing to pad.
