@@ -336,11 +336,16 @@ class UserMachine(RuleBasedStateMachine):
                 1000 * (SOURCES.index(s) + 1) for s, w in self.ref_mix.weights.items() if w == 0
             }
             old = sum(v // 1000 * 1000 in zero for v in got)
-            assert old <= self.old_weights_left, (
+            # A padding sample repeats a position of the epoch (distributed.md: torch pads "by
+            # repeating its head"), whose sample may be one the old weights gave: "the
+            # positions before g keep their samples" (data-plans.md).
+            pads = max(sum(R.is_pad(p) for p in place.batches[i]) for i in fits)
+            assert old <= self.old_weights_left + pads, (
                 f"a source weighted 0 in {got} ({self.old_weights_left} samples of the epoch "
-                "keep the old weights)\nsteps:\n  " + "\n  ".join(self.trace)
+                f"keep the old weights; {pads} of the batch are padding)"
+                "\nsteps:\n  " + "\n  ".join(self.trace)
             )
-            self.old_weights_left -= old
+            self.old_weights_left -= max(0, old - pads)
             # Equal-length batches: which one came is unknown, so is whether the batches
             # delivered are a prefix (a later resume must not rely on it: distributed.md refuses
             # a state with batches delivered ahead on another world size).
