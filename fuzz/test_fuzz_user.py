@@ -216,8 +216,13 @@ class UserMachine(RuleBasedStateMachine):
         # After a resume with new weights under a shuffling sampler, once item 5 is fixed: the
         # docs promise the new weights from the resume point on, in an order this model does
         # not compute; from there to the example's end the samples are checked for what the
-        # weights allow (batch sizes, no source weighted 0), not one by one.
+        # weights allow (batch sizes, no source weighted 0 but in the holes that keep the old
+        # weights), not one by one.
         self.loose = False
+        # data-plans.md: the unconsumed samples before the last consumed one (batches delivered
+        # ahead, ranks out of step) "keep the old weights": in loose mode, how many samples of
+        # this epoch may still come from a source the new weights gave 0.
+        self.old_weights_left = 0
         self.ambiguous = False
         self.resumes = 0
 
@@ -324,11 +329,25 @@ class UserMachine(RuleBasedStateMachine):
             # in_order=False any undelivered batch may come first (the epoch's short last one).
             pool = todo if unordered else todo[:1]
             fits = [i for i in pool if len(place.batches[i]) == len(got)]
-            assert fits, (got, [place.batches[i] for i in pool])
+            assert fits, (got, [place.batches[i] for i in pool], self.trace)
             zero = {
                 1000 * (SOURCES.index(s) + 1) for s, w in self.ref_mix.weights.items() if w == 0
             }
-            assert not {v // 1000 * 1000 for v in got} & zero, f"a source weighted 0 in {got}"
+            old = sum(v // 1000 * 1000 in zero for v in got)
+            # A padding sample repeats a position of the epoch (distributed.md: torch pads "by
+            # repeating its head"), whose sample may be one the old weights gave: "the
+            # positions before g keep their samples" (data-plans.md).
+            pads = max(sum(R.is_pad(p) for p in place.batches[i]) for i in fits)
+            assert old <= self.old_weights_left + pads, (
+                f"a source weighted 0 in {got} ({self.old_weights_left} samples of the epoch "
+                f"keep the old weights; {pads} of the batch are padding)"
+                "\nsteps:\n  " + "\n  ".join(self.trace)
+            )
+            self.old_weights_left -= max(0, old - pads)
+            # Equal-length batches: which one came is unknown, so is whether the batches
+            # delivered are a prefix (a later resume must not rely on it: distributed.md refuses
+            # a state with batches delivered ahead on another world size).
+            self.ambiguous = self.ambiguous or len(fits) > 1
             place.delivered.add(fits[0])
             return
         # Once the model lost track of which equal batch came, the rest of the epoch is
@@ -386,6 +405,7 @@ class UserMachine(RuleBasedStateMachine):
         # (self.loose stays: which positions the new weights hold after the fix of item 5 is
         # that fix's choice, and later epochs' sources follow from it.)
         self.ambiguous = False
+        self.old_weights_left = 0  # the holes were the last epoch's
         for rank in self.ranks:
             self._start_epoch(rank, epoch)
 
@@ -545,6 +565,7 @@ class UserMachine(RuleBasedStateMachine):
             self.world, self.batch_size = world, batch_size
             model = self._fresh_epoch(e.epoch + 1)
             self.ambiguous = False
+            self.old_weights_left = 0  # the holes were the finished epoch's
         elif dist and same_shape:
             # On the same world size and batch size each rank continues its own share, from
             # its own state or the job's global one: nothing to re-cut, nothing to pad.
@@ -556,7 +577,7 @@ class UserMachine(RuleBasedStateMachine):
             if dist:
                 self._check_uneven_warning(e, model, skip, said)
         if job.mixture is not None and weights != self.weights:
-            self._new_weights_at_resume(e, model, finished, weights)
+            self._new_weights_at_resume(e, model, finished, weights, said)
         self.model, self.world, self.batch_size, self.opts = model, world, batch_size, opts
         self.weights = weights
         for rank in new:
@@ -615,30 +636,54 @@ class UserMachine(RuleBasedStateMachine):
             )
 
     def _new_weights_at_resume(
-        self, e: R.Epoch, model: R.Epoch, finished: bool, weights: tuple[int, ...]
+        self,
+        e: R.Epoch,
+        model: R.Epoch,
+        finished: bool,
+        weights: tuple[int, ...],
+        said: list[str],
     ) -> None:
-        """data-plans.md: a mixture built with new weights gets them from the first unconsumed
-        position: the next sample of a sequential epoch; the next epoch's start where the
-        consumed positions are scattered over the epoch (a shuffle, ranks of a
-        DistributedSampler, batches delivered ahead under in_order=False)."""
+        """data-plans.md ("Through the loader"): a mixture built with new weights gets them
+        after the last sample consumed: from the global position after it under
+        ``shuffle=False``; from that place of the epoch's order (a rest) under a shuffling
+        sampler. The unconsumed samples before it (batches delivered ahead under
+        in_order=False, ranks out of step) keep the old weights, and the load warns."""
         n = self.job.spec.n
         # Consumed or skipped (a skip's samples are not ahead); not a share that drop_last
-        # leaves without a batch, which the loader never delivers but nobody consumed.
+        # leaves without a batch, which the loader never delivers but nobody consumed. The
+        # model's positions are places in the epoch's order, as the docs' rests count them.
         consumed = set(model.gone) | {
             p for r in model.ranks for p in r.delivered_positions() if not R.is_pad(p)
         }
-        prefix = consumed == set(range(len(consumed)))
+        top = max(consumed) + 1 if consumed else 0
+        # data-plans.md: "Batches delivered ahead out of order (in_order=False), or ranks out
+        # of step, leave a few unconsumed samples before the last consumed one: those keep the
+        # old weights, and the load says how many with a RuntimeWarning."
+        behind = top - len(consumed)
         if finished:
             at = (e.epoch + 1) * n
         elif not consumed:
             at = e.epoch * n  # nothing of the epoch consumed: its first position
-        elif self.job.spec.sampler == "seq" and prefix:
-            at = e.epoch * n + len(consumed)
+        elif self.job.spec.sampler == "seq":
+            # data-plans.md: "shuffle=False: from the global position after the last sample
+            # consumed" -- exact, the holes before it included (they keep the old plan).
+            at = e.epoch * n + top
+            if behind:
+                event("new weights at a resume: holes keep the old weights (shuffle=False)")
+                assert any(f"{behind} samples before it were not consumed" in m for m in said), (
+                    f"{behind} samples before the new weights' start keep the old weights; "
+                    f"the load warned {said}"
+                )
         elif "item5" in KNOWN_BUGS:
             at = (e.epoch + 1) * n  # item5: the docs' own words before the fix
         else:
             at = e.epoch * n
             self.loose = True
+            # A rank's own state takes the other ranks to be in step with it, so the ranks
+            # may place the start differently: the job-wide count of holes bounds each one's.
+            self.old_weights_left = behind
+            if behind:
+                event("new weights at a resume: holes keep the old weights (loose)")
         self.ref_mix.set_weights(dict(zip(SOURCES, weights)), from_position=at)
         self.trace[-1] += f" -> new weights from {at}"
 
