@@ -16,7 +16,7 @@ Datasets:
     ``make_item(i)``                  the item every dataset below yields for value ``i``: a dict
                                       of an int, a float64 tensor, an int16 numpy array and a str.
     ``RangeDataset(n, as_tuple=False)``  map-style; item i is ``make_item(i)`` (or a tuple of it).
-    ``RangeData()``                   map-style; the four ints 0..3 (item i is i).
+    ``RangeData(n=4)``                map-style; the ints 0..n-1 (item i is i).
     ``RandomAugDataset(n)``           map-style; item i draws from python ``random``, numpy's
                                       global RNG and torch's global RNG (for seeding tests).
     ``ShardedStream(n)``              IterableDataset sharded with ``get_worker_info()``: worker k
@@ -124,10 +124,15 @@ class RangeDataset(Dataset):
 
 
 class RangeData(torch.utils.data.Dataset):
-    """Map-style, four items: item i is the int i."""
+    """Map-style, ``n`` items (four by default): item i is the int i."""
+
+    n = 4  # a subclass that skips __init__ still has four items
+
+    def __init__(self, n: int = 4) -> None:
+        self.n = n
 
     def __len__(self) -> int:
-        return 4
+        return self.n
 
     def __getitem__(self, i: int) -> int:
         return i

@@ -25,7 +25,7 @@ import warnings
 from typing import Any
 
 import pytest
-from torch.utils.data import Dataset
+from _datasets import RangeData
 from torch.utils.data.distributed import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader, merge_rank_states
@@ -36,19 +36,8 @@ BATCH = 2
 EPOCHS = 3
 
 
-class Ids(Dataset):
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
-
-
 def make(world: int, rank: int, n: int = N) -> DataLoader:
-    ds = Ids(n)
+    ds = RangeData(n)
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=42)
     return DataLoader(ds, batch_size=BATCH, sampler=sampler)
 
