@@ -153,19 +153,7 @@ def _skip_one(sd: dict[str, Any], n: int) -> dict[str, Any]:
     """One loader's state, built-in sampler: move the cut."""
     if not isinstance(sd, dict):
         raise _fail(f"expected a loader state (a dict), got {type(sd).__name__}")
-    total = _epoch_samples(sd)
-    rp = _parse(sd)
-    per_task = _per_task(rp)
-    # Checked against the epoch's length here: the parse alone cannot bound it, and advance()
-    # on a cut past the end would clamp what is left to 0 instead of saying it is damaged.
-    _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, total)
-    if problem is not None:
-        raise _fail(f"{S.K_CUT}: {problem}; the state is damaged")
-    drop_last = sd[S.K_CONFIG].get("drop_last") is True
-    try:
-        cut = (rp.cut or Cut()).advance(total, per_task, rp.consumed, rp.ahead, drop_last)
-    except ValueError as e:
-        raise _fail(f"{e}; the state is damaged") from None
+    total, rp, cut = _position(sd)
     left = cut.left(total)
     if n > left:
         raise _fail(_past_end(n, left, rp.epoch))
@@ -204,16 +192,7 @@ def uncut(sd: dict[str, Any]) -> dict[str, Any]:
         CheckpointError: what ``skip_samples`` refuses, or a cut whose holes hold more than
             ``MAX_UNCUT_AHEAD`` samples.
     """
-    total = _epoch_samples(sd)
-    rp = _parse(sd)
-    _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, total)
-    if problem is not None:
-        raise _fail(f"{S.K_CUT}: {problem}; the state is damaged")
-    drop_last = sd[S.K_CONFIG].get("drop_last") is True
-    try:
-        cut = (rp.cut or Cut()).advance(total, _per_task(rp), rp.consumed, rp.ahead, drop_last)
-    except ValueError as e:
-        raise _fail(f"{e}; the state is damaged") from None
+    _, _, cut = _position(sd)
     if sum(count for _, count in cut.holes) > MAX_UNCUT_AHEAD:
         raise _fail(
             f"{S.K_CUT}: its holes hold more than {MAX_UNCUT_AHEAD} samples, too many to list "
@@ -227,6 +206,25 @@ def uncut(sd: dict[str, Any]) -> dict[str, Any]:
     out[S.K_CONSUMED] = cut.start
     out[S.K_AHEAD] = [p for first, count in cut.holes for p in range(first, first + count)]
     return out
+
+
+def _position(sd: dict[str, Any]) -> tuple[int, S.ResumePoint, Cut]:
+    """One loader's state under a built-in sampler: the epoch's samples, the parsed position,
+    and the cut with the consumed batches and those delivered ahead folded in."""
+    total = _epoch_samples(sd)
+    rp = _parse(sd)
+    per_task = _per_task(rp)
+    # Checked against the epoch's length here: the parse alone cannot bound it, and advance()
+    # on a cut past the end would clamp what is left to 0 instead of saying it is damaged.
+    _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, total)
+    if problem is not None:
+        raise _fail(f"{S.K_CUT}: {problem}; the state is damaged")
+    drop_last = sd[S.K_CONFIG].get("drop_last") is True
+    try:
+        cut = (rp.cut or Cut()).advance(total, per_task, rp.consumed, rp.ahead, drop_last)
+    except ValueError as e:
+        raise _fail(f"{e}; the state is damaged") from None
+    return total, rp, cut
 
 
 def _per_task(rp: S.ResumePoint) -> int:
