@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 N, BATCH, EPOCHS, SEED = 22, 4, 3, 1234
 STREAM_N, STREAM_STEPS = 40, 9  # the stream: items per rank; the Trainer's max_steps
@@ -207,6 +208,12 @@ def main() -> None:
     workers = int(sys.argv[7]) if len(sys.argv) > 7 else 2
     run = run_accelerate if which == "accelerate" else run_trainer
     run(out, log, int(kill_at), resume == "1", data, workers)
+    # The Trainer and accelerate start the process group and leave it up. Torn down by the
+    # interpreter's exit instead, its gloo threads can be destroyed while joinable: the child
+    # then aborts ("terminate called without an active exception", exit -6) after a finished
+    # run (seen once in CI). As every job of ours does, end the group before exiting.
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
