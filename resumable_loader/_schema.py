@@ -563,6 +563,8 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
     history = d.get("history") if isinstance(d, dict) else None
     ok = (
         isinstance(d, dict)
+        # Every key is ours: one we do not know would be dropped by the next state_dict().
+        and set(d) <= {"sampler_epoch", "history", "ended"}
         and type(d.get("sampler_epoch")) is int
         and 0 <= d["sampler_epoch"] < 2**62
         and isinstance(history, list)
@@ -582,7 +584,7 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
         raise _fail(
             K_DIST,
             "expected {sampler_epoch: int, history: [[world size, [samples per rank]], ...], "
-            f"ended: bool (optional)}}, "
+            f"ended: bool (optional)}} and no other key, "
             f"got {clip_repr(d)}",
             "the state is damaged",
         )

@@ -225,3 +225,27 @@ def test_a_state_missing_a_key_is_refused_naming_it(
     assert any(name in str(info.value) for name in named), str(info.value)
     assert _epoch(loader) == expected  # the loader is as it was: it starts its epoch afresh
     loader.close()
+
+
+def test_an_unknown_key_in_the_distributed_part_is_refused_naming_it() -> None:
+    """Found by fuzz/test_fuzz_load_state.py: {"distributed": {..., "format": None}} was accepted
+    and the next state_dict() dropped the key, so the state "loaded" was not the one kept."""
+    from torch.utils.data import DistributedSampler
+
+    from resumable_loader import CheckpointError, DataLoader
+
+    def make() -> DataLoader:
+        ds = list(range(11))
+        sampler = DistributedSampler(ds, num_replicas=2, rank=1, seed=3)
+        return DataLoader(ds, batch_size=2, sampler=sampler)
+
+    state = make().state_dict()
+    damaged = copy.deepcopy(state)
+    damaged["distributed"]["format"] = None
+    fresh = make()
+    before = fresh.state_dict()
+    with pytest.raises(CheckpointError, match=r"distributed.*no other key"):
+        fresh.load_state_dict(damaged)
+    assert same_state(fresh.state_dict(), before)
+    fresh.load_state_dict(state)  # the undamaged state still loads
+    assert fresh.state_dict() == state
