@@ -12,7 +12,7 @@ import sys
 import time
 
 from resumable_loader import DataLoader, skip_samples
-from resumable_loader._cursor import Cut
+from resumable_loader.state.cursor import Cut
 
 
 def main() -> None:

@@ -15,11 +15,12 @@ page mapped by n processes counts 1/n in each, so PSS adds up across processes w
 a shared batch twice), the use of /dev/shm (``os.statvfs``, less its use before the run), and
 the shared memory the job holds ("shared": every shared-memory file mapped or open in this
 process or a worker, /dev/shm and memfd alike, counted once per inode by its allocated bytes).
-Since our workers' segments are memfds (``resumable_loader._shm``), which /dev/shm's statvfs
-does not see, "shared" is the figure that compares the loaders; "/dev/shm" says what each
-leaves in the shared tmpfs. Reported: the peaks over the epoch -- main, workers (summed), all
-of them together (summed at the same instant: the run's real footprint), /dev/shm and shared
--- and the per-round ratios ours/torch (median). The issue's goal: within 1.1x of torch.
+Since our workers' segments are memfds (``resumable_loader.pipeline.transport.memfd``),
+which /dev/shm's statvfs does not see, "shared" is the figure that compares the loaders;
+"/dev/shm" says what each leaves in the shared tmpfs. Reported: the peaks over the epoch --
+main, workers (summed), all of them together (summed at the same instant: the run's real
+footprint), /dev/shm and shared -- and the per-round ratios ours/torch (median). The issue's
+goal: within 1.1x of torch.
 
 Then the cost of the fallback path -- a batch copied through the result socket because /dev/shm
 is full -- against the shared-memory path:
@@ -257,7 +258,7 @@ def compare(workloads: list[str], rounds: int, quick: bool) -> dict[str, Any]:
 # ---- the fallback path's cost -------------------------------------------------------------------
 def _sender(sock: socket.socket, n: int, nbytes: int, shared: bool) -> None:
     """Child: build n batches as a worker would and send them; shared=False: inline copies."""
-    from resumable_loader import _transport
+    from resumable_loader.pipeline.transport import channel as _transport
 
     policy = _transport.ShmPolicy()
     for i in range(n):
@@ -273,7 +274,7 @@ def _sender(sock: socket.socket, n: int, nbytes: int, shared: bool) -> None:
 
 
 def transport_cost(n: int, nbytes: int, shared: bool) -> dict[str, float]:
-    from resumable_loader import _transport
+    from resumable_loader.pipeline.transport import channel as _transport
 
     ours, theirs = socket.socketpair()
     pid = os.fork()
@@ -321,7 +322,7 @@ def transport_cost(n: int, nbytes: int, shared: bool) -> dict[str, float]:
 def fallback_cost(rounds: int, quick: bool) -> dict[str, Any]:
     import warnings
 
-    from resumable_loader import _transport
+    from resumable_loader.pipeline.transport import channel as _transport
     from resumable_loader.testing import ShmFailure
 
     nbytes = 32 * 3 * 224 * 224 * 4

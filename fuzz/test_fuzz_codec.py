@@ -26,9 +26,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resumable_loader.__main__ import KNOWN_KEYS, _jsonable, format_summary
-from resumable_loader._codec import INT_MAX, INT_MIN, MAGIC, _frame, dump_state, load_state
-from resumable_loader._errors import CheckpointError
+from resumable_loader.cli.main import KNOWN_KEYS, _jsonable, format_summary
+from resumable_loader.core.errors import CheckpointError
+from resumable_loader.state.codec import INT_MAX, INT_MIN, MAGIC, _frame, dump_state, load_state
 from resumable_loader.testing import same_state
 
 # --- plain data ---------------------------------------------------------------------------------
@@ -270,7 +270,7 @@ def test_dump_and_load_agree_on_the_memory_budget(state: dict[Any, Any], allowan
     dump_state refuses to write (dump_state prices its payload by decoding it)."""
     from unittest import mock
 
-    from resumable_loader import _codec
+    from resumable_loader.state import codec as _codec
 
     with mock.patch.object(_codec, "DECODED_ALLOWANCE", allowance):
         try:

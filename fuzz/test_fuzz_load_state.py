@@ -502,7 +502,7 @@ def test_deep_and_self_holding_values_are_refused_naming_the_field(data: st.Data
     """``torch.load(weights_only=True)`` builds these from a small file. The limit is exact:
     the codec's MAX_DEPTH, counted from the state itself; a value shared by several fields
     counts where it sits deepest; a state that holds itself is refused wherever it does."""
-    from resumable_loader._codec import MAX_DEPTH
+    from resumable_loader.state.codec import MAX_DEPTH
 
     kind = data.draw(_weighted_kinds(), label="kind")
     states = real_states(kind)

@@ -534,7 +534,7 @@ class _LoaderModel(RuleBasedStateMachine):
         live = [pid for pid in worker_pids(self.loader) if pid > 0 and pid in ours]
         if sig == "SIGSTOP":
             # A worker stopped before it booted is found only after BOOT_TIMEOUT_S (a minute);
-            # tests/test_supervisor.py::test_worker_hung_while_booting_is_replaced
+            # tests/pipeline/test_supervisor.py::test_worker_hung_while_booting_is_replaced
             # covers that with a shorter limit.
             live = [pid for pid in live if pid in self._booted_worker_pids()]
         if not live:
@@ -818,7 +818,7 @@ class KillMachine(_LoaderModel):
 
     fork and forkserver only: each respawn of a spawned worker costs seconds, which made this
     machine's run time swing by a minute between seeds. Spawn is drawn by LoaderMachine and
-    is in tests/test_crash_table.py and tests/test_supervisor.py.
+    is in tests/behaviour/test_crash_table.py and tests/pipeline/test_supervisor.py.
     """
 
     min_workers = 1

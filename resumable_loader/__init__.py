@@ -45,20 +45,21 @@ With num_workers=0 the same state contract holds, with no processes: the main pr
 each task itself, under the same per-task seeds (its own RNG streams saved and restored).
 """
 
-from ._compat import check_torch as _check_torch
+from .core.compat import check_torch as _check_torch
 
 # Before the modules that import torch's private APIs, so a torch without them gets one clear
 # ImportError instead of an AttributeError deep in a worker.
 _check_torch()
 
-from ._checkpoint import save_checkpoint  # noqa: E402
-from ._codec import dump_state, load_state  # noqa: E402
-from ._distributed import merge_rank_states  # noqa: E402
-from ._errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
-from ._loader import DataLoader, RetryPolicy  # noqa: E402
-from ._mixture import Mixture  # noqa: E402
-from ._skip import skip_samples  # noqa: E402
-from ._stats import LoaderStatistics  # noqa: E402
+from .core.errors import CheckpointError, LoaderClosedError, WorkerCrashError  # noqa: E402
+from .loader.dataloader import DataLoader  # noqa: E402
+from .pipeline.fetch import RetryPolicy  # noqa: E402
+from .pipeline.stats import LoaderStatistics  # noqa: E402
+from .plans.mixture import Mixture  # noqa: E402
+from .state.checkpoint import save_checkpoint  # noqa: E402
+from .state.codec import dump_state, load_state  # noqa: E402
+from .state.ranks import merge_rank_states  # noqa: E402
+from .state.skip import skip_samples  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -507,7 +507,7 @@ class ShmFailure:
 
                 setattr(storage_cls, name, classmethod(new))
             # The loader's pooled segments are sized in the worker without torch's allocator.
-            from . import _transport
+            from .pipeline.transport import channel as _transport
 
             reserve = _transport._reserve
 

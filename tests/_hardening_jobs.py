@@ -1,4 +1,5 @@
-"""Child processes for tests/test_hardening_proc.py (run as a script, in a session of its own).
+"""Child processes for tests/pipeline/test_hardening_proc.py (run as a script, in a session of
+its own).
 
 ``pause METHOD FD``: iterate a loader whose tasks take a while, writing one byte to FD each
 time it wants to be paused (the test then stops and continues the whole process group): first

@@ -13,12 +13,12 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from .._codec import dump_state, load_state
-from .._distributed import merge_rank_states
-from .._errors import CheckpointError
-from .._loader import DataLoader
-from .._samplers import BatchSampler as OurBatchSampler
-from .._samplers import RandomSampler as OurRandomSampler
+from ..core.errors import CheckpointError
+from ..loader.dataloader import DataLoader
+from ..plans.samplers import BatchSampler as OurBatchSampler
+from ..plans.samplers import RandomSampler as OurRandomSampler
+from ..state.codec import dump_state, load_state
+from ..state.ranks import merge_rank_states
 
 
 def _loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:

@@ -43,11 +43,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import torch
 
-from .._distributed import called_by_dcp, gather, merge_rank_states
-from .._loader import DataLoader
-from .._sampling import BUILTIN, DISTRIBUTED
+from ..loader.dataloader import DataLoader
+from ..loader.hf_streams import warn_shuffle_buffer
+from ..plans.index_plan import BUILTIN, DISTRIBUTED
+from ..state.ranks import called_by_dcp, gather, merge_rank_states
 from . import _common
-from ._hf_streams import warn_shuffle_buffer
 
 __all__ = ["prepare_data_loader", "state_file_name"]
 

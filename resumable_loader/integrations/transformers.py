@@ -45,8 +45,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import torch
 from torch.utils.data import IterableDataset
 
-from .._errors import CheckpointError
-from .._loader import DataLoader
+from ..core.errors import CheckpointError
+from ..loader.dataloader import DataLoader
 from . import _common
 
 __all__ = ["STATE_FILE", "ResumableTrainer"]

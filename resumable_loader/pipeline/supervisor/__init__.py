@@ -1,0 +1,1 @@
+"""The supervisor: it starts, watches, replaces and stops the worker processes."""

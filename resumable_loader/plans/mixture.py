@@ -1,0 +1,1024 @@
+"""Data plans: a weighted mixture of named map-style sources, as a pure function of the position.
+
+A ``Mixture`` maps a *global position* ``g`` (``epoch * num_samples + position in the epoch``)
+to one (source, index) pair with arithmetic alone. No iterator, no per-epoch array: any sampler
+may visit the positions in any order, on any number of workers or ranks, and a resume is only
+a position. Two layers:
+
+* **Interleave** (which source). The weights are exact integers (a float weight is read as the
+  decimal it prints as: 0.7 is 7/10). The sources with a positive weight are the leaves of a
+  balanced binary tree; each inner node splits its positions between its two halves like a
+  Bresenham line: of the first ``m`` positions that reach a node whose left half weighs ``a``
+  of ``t``, ``(m * a + phase) // t`` go left. So the count of a source among the first ``m``
+  positions is a closed form (O(depth) to compute), position ``m`` is located in O(depth), and
+  over any window of ``n`` positions a source's count is within ``depth`` (= ceil(log2 of the
+  number of sources)) of ``n * weight``. The phases are drawn from the seed.
+* **Passes** (which index). The ``c``-th sample drawn from a source of length ``L`` is item
+  ``perm(c mod L)`` of pass ``c // L``, where ``perm`` is a seeded bijection of ``range(L)``
+  keyed by (seed, source name, pass): a 4-round Feistel network on the two digits of
+  ``c mod L`` in base ceil(sqrt(L)), cycle-walked back into range. O(1) memory, so a source
+  of 10^9 items costs nothing to start, and no item of a source repeats before the whole
+  source was seen.
+
+Weights may change: the plan is a list of segments, each (first global position, weights).
+A source's count at the start of a segment is carried over from the segments before it, so
+its passes continue across a change: what was drawn stays drawn, nothing of the current pass
+repeats. A change at a resume inside a shuffled epoch is a *rest* (``_Rest``): keyed by the
+place in the epoch's sampler order, not by position, since the consumed positions are scattered
+but the consumed places are a prefix. The state (``state_dict``) is the segments, the rests,
+the seed and the sources' names, lengths and fingerprints: O(number of changes + number of
+sources), never O(samples).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import math
+import numbers
+import operator
+import warnings
+from collections.abc import Iterator, Mapping
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from ..core.errors import CheckpointError
+from ..state import fingerprint as F
+from ..state.codec import clip_repr
+from .samplers import check_order, order_of
+
+__all__ = ["Mixture"]
+
+STATE_KIND = "resumable_loader.Mixture"
+# Version 2 adds "rests" (weights changed inside a shuffled epoch, keyed by the sampler's order).
+# A plan without them is still written as version 1, so that a library that reads only version 1
+# keeps loading every plan it can serve; one with them must not be read by it (it would ignore
+# them and serve the old weights).
+STATE_VERSION = 2
+_READS = (1, 2)
+_STATE_KEYS = ("kind", "version", "seed", "num_samples", "epoch", "sources", "weights")
+_REST_KEYS = {"epoch", "length", "order", "from", "weights"}
+
+_M30 = (1 << 30) - 1
+# Odd 30-bit multipliers for the round hash (any odd constants with mixed bits would do; these
+# are fixed forever: they decide every pass's order, so changing them is a new state version).
+_C1 = 0x2C1B3C6D
+_C2 = 0x297A2D39
+# Luby-Rackoff: four rounds of a Feistel network with a pseudorandom round function make a
+# pseudorandom permutation; fewer leave visible structure in small domains.
+_ROUNDS = 4
+# Round keys of recently used (source, pass) pairs. A loader touches one or two passes of each
+# source at a time; the bound only keeps a long, many-source run from growing the dict.
+_KEY_CACHE_SIZE = 4096
+
+
+def _derive(*parts: object) -> bytes:
+    """32 bytes determined by ``parts`` alone (never by the process's RNGs or hash seed)."""
+    text = json.dumps(parts, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.blake2b(text.encode(), digest_size=32, person=b"rl.mixture").digest()
+
+
+def _permute(x: int, n: int, keys: tuple[int, ...]) -> int:
+    """Item ``x`` of a bijection of ``range(n)`` chosen by four 30-bit ``keys`` (``0 <= x < n``).
+
+    A Feistel network over the two digits (hi, lo) of ``x`` in base ``a = ceil(sqrt(n))``:
+    each round adds a keyed hash of one digit to the other, mod ``a`` (undone by subtracting),
+    so it permutes ``range(a * a)``. Walking along the cycle of ``x`` until the value falls
+    back below ``n`` restricts it to ``range(n)``; as ``a * a < n + 2 * sqrt(n) + 1``, the walk
+    almost always takes one step (a power-of-two domain would take up to four). The hash is
+    a 30-bit multiply-xorshift, unrolled: CPython's arithmetic on ints below 2**30 is its
+    fast path, and this function is most of a sample's cost.
+    """
+    if n <= 1:
+        return 0
+    a = math.isqrt(n - 1) + 1
+    k0, k1, k2, k3 = keys
+    while True:
+        hi, lo = divmod(x, a)
+        z = lo ^ k0
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        hi = (hi + (z ^ (z >> 15))) % a
+        z = hi ^ k1
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        lo = (lo + (z ^ (z >> 15))) % a
+        z = lo ^ k2
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        hi = (hi + (z ^ (z >> 15))) % a
+        z = hi ^ k3
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        lo = (lo + (z ^ (z >> 15))) % a
+        x = hi * a + lo
+        if x < n:
+            return x
+
+
+def _exact(weight: object, name: str) -> tuple[int | float, Fraction]:
+    """A weight as plain data (int or float) and as the exact fraction it stands for.
+
+    Raises:
+        TypeError: not a real number (a bool is not a weight either).
+        ValueError: negative, NaN or infinite.
+    """
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+        raise TypeError(f"the weight of source {name!r} must be a number, not {weight!r}")
+    if isinstance(weight, numbers.Integral):
+        plain: int | float = int(weight)
+        frac = Fraction(plain)
+    else:
+        plain = float(weight)
+        if not math.isfinite(plain):
+            raise ValueError(f"the weight of source {name!r} must be finite, not {plain!r}")
+        # The decimal the float prints as (repr is the shortest round-trip form, the same on
+        # every platform): 0.7 means 7/10, so 0.7/0.3 interleaves exactly 7 to 3.
+        frac = Fraction(repr(plain))
+    if frac < 0:
+        raise ValueError(f"the weight of source {name!r} must be >= 0, not {plain!r}")
+    return plain, frac
+
+
+def _check_weights(
+    weights: object, names: tuple[str, ...]
+) -> tuple[dict[str, int | float], tuple[Fraction, ...]]:
+    """Validate a weights mapping against the source names (sorted)."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"weights must be a mapping from source name to weight, not {type(weights).__name__}"
+        )
+    missing = [n for n in names if n not in weights]
+    unknown = sorted(repr(k) for k in weights if k not in names)
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append(f"no weight for {missing}")
+        if unknown:
+            parts.append(f"weights for unknown sources [{', '.join(unknown)}]")
+        raise ValueError(
+            f"{' and '.join(parts)}: give one weight per source, for exactly {list(names)}"
+        )
+    plain: dict[str, int | float] = {}
+    fracs = []
+    for n in names:
+        plain[n], frac = _exact(weights[n], n)
+        fracs.append(frac)
+    if not any(fracs):
+        raise ValueError("at least one source must have a positive weight; all are 0")
+    return plain, tuple(fracs)
+
+
+class _Segment:
+    """The interleave from global position ``start`` on, under one set of weights.
+
+    ``base[k]``: how many samples of source ``k`` the segments before this one drew.
+    """
+
+    __slots__ = ("base", "nodes", "paths", "root", "start", "weights")
+
+    def __init__(
+        self,
+        start: int,
+        weights: dict[str, int | float],
+        fracs: tuple[Fraction, ...],
+        base: tuple[int, ...],
+        seed: int,
+    ) -> None:
+        self.start = start
+        self.weights = weights
+        self.base = base
+        denominator = math.lcm(*(f.denominator for f in fracs))
+        ints = [int(f * denominator) for f in fracs]
+        common = math.gcd(*ints)
+        ints = [w // common for w in ints]
+        # nodes[i] = (left weight, total weight, phase, left child, right child); a child >= 0
+        # is a node, a child < 0 is the leaf (source) -child - 1.
+        self.nodes: list[tuple[int, int, int, int, int]] = []
+        self.paths: list[list[tuple[int, bool]]] = [[] for _ in ints]
+        leaves = [k for k, w in enumerate(ints) if w > 0]
+        self.root = self._build(leaves, ints, seed, [])
+
+    def _build(self, leaves: list[int], ints: list[int], seed: int, path: list[Any]) -> int:
+        if len(leaves) == 1:
+            self.paths[leaves[0]] = list(path)
+            return -leaves[0] - 1
+        i = len(self.nodes)
+        self.nodes.append((0, 0, 0, 0, 0))  # placeholder: the children get later numbers
+        mid = len(leaves) // 2
+        a = sum(ints[k] for k in leaves[:mid])
+        t = a + sum(ints[k] for k in leaves[mid:])
+        phase = int.from_bytes(_derive(seed, "phase", self.start, i)[:16], "little") % t
+        lo = self._build(leaves[:mid], ints, seed, [*path, (i, True)])
+        hi = self._build(leaves[mid:], ints, seed, [*path, (i, False)])
+        self.nodes[i] = (a, t, phase, lo, hi)
+        return i
+
+    def locate(self, m: int) -> tuple[int, int]:
+        """The source of position ``start + m``, and how many of its samples this segment drew
+        before it."""
+        node = self.root
+        nodes = self.nodes
+        while node >= 0:
+            a, t, phase, lo, hi = nodes[node]
+            v = m * a + phase
+            before = v // t
+            if (v + a) // t > before:
+                m, node = before, lo
+            else:
+                m, node = m - before, hi
+        return -node - 1, m
+
+    def count(self, k: int, m: int) -> int:
+        """How many of the first ``m`` positions of this segment source ``k`` draws."""
+        path = self.paths[k]
+        if not path and self.root != -k - 1:
+            return 0  # weight 0 here
+        for node, left in path:
+            a, t, phase, _, _ = self.nodes[node]
+            before = (m * a + phase) // t
+            m = before if left else m - before
+        return m
+
+
+class _Rest:
+    """The rest of one epoch after a weights change at a resume under a shuffling sampler.
+
+    The sampler visits the epoch's positions in an order (``order``: its plain-data name, see
+    ``_samplers.order_of``); the samples at places ``start``, ``start + 1``, ... of that order
+    are drawn under ``seg`` (new weights), the ``m``-th of them at the segment's position
+    ``m``. Which positions were consumed before the change is thereby the order's prefix,
+    whatever positions it holds: the k-th sample delivered after the resume is the k-th of
+    the segment.
+    """
+
+    __slots__ = ("epoch", "order", "seg", "start")
+
+    def __init__(self, epoch: int, order: dict[str, Any], start: int, seg: _Segment) -> None:
+        self.epoch = epoch
+        self.order = order
+        self.start = start
+        self.seg = seg
+
+    def to_state(self, n: int) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "length": n,
+            "order": dict(self.order),
+            "from": self.start,
+            "weights": dict(self.seg.weights),
+        }
+
+
+class RestAt(NamedTuple):
+    """Where new weights begin inside epoch ``epoch`` of a shuffling sampler: at place
+    ``start`` (``0 < start < len``) of the epoch's order ``order`` (see ``_Rest``)."""
+
+    epoch: int
+    start: int
+    order: dict[str, Any]
+
+
+def follow_epoch(dataset: Any, epoch: int, plan: Any = None) -> None:
+    """Tell a ``Mixture`` which epoch its positions are in, and (``plan``: a ``state_dict()``)
+    the plan the main process holds for it. The loader calls it at ``iter()``, and each worker
+    at the epoch's start with the plan its ``Epoch`` message carries: a worker's copy of the
+    mixture is as old as the worker, the main process's plan is the one its state saves. Any
+    other dataset is left alone."""
+    if isinstance(dataset, Mixture):
+        if plan is not None:
+            dataset._adopt(plan)
+        dataset.set_epoch(epoch)
+
+
+def hold_epoch(dataset: Any, epoch: int) -> None:
+    """The loader's workers serve epoch ``epoch`` of ``dataset`` from the plan as it is now:
+    from here on, ``set_weights`` refuses positions before the next epoch (see ``Mixture``)."""
+    if isinstance(dataset, Mixture):
+        dataset._floor = max(dataset._floor, (epoch + 1) * dataset._num_samples)
+
+
+class Mixture(Dataset[Any]):
+    """A map-style dataset that mixes named map-style sources by weight, deterministically.
+
+    Position ``p`` of epoch ``e`` is the global position ``g = e * num_samples + p``; ``g``
+    alone (with the seed and the weights history) decides which source and which of its items
+    it is. The interleave is stratified: over any window of ``n`` consecutive positions (under
+    one set of weights) each source's count is within ``ceil(log2(#sources))`` of
+    ``n * weight / sum(weights)``. Within a source, items are drawn in passes, each a fresh
+    seeded permutation, so nothing repeats before the whole source was seen and a small
+    source is cycled (upsampled). Nothing is drawn from a global RNG.
+
+    Any sampler over ``range(len(mixture))`` works: shuffled or not, ``DistributedSampler``,
+    any number of workers. The order of the loader's sampler is the order of consumption; the
+    stratification holds for consecutive positions, so ``shuffle=False`` keeps it in the
+    batches (the sources are shuffled within themselves already).
+
+    The epoch: ``resumable_loader.DataLoader`` sets it, and sends the epoch and the plan to its
+    workers with each epoch. Under torch's loader, ``set_epoch(e)`` before each epoch (as with
+    ``DistributedSampler``), or index with global positions directly: an index ``i`` means
+    global position ``epoch * num_samples + i``, and may run past the end of the epoch into
+    the next ones. torch's workers hold a copy of the dataset made when they start: with
+    ``persistent_workers=True`` a ``set_epoch`` or ``set_weights`` in the main process does
+    not reach them.
+
+    Args:
+        sources: name -> map-style dataset (``__len__`` and ``__getitem__``), at least one.
+            The names are sorted; the order of the mapping does not matter.
+        weights: name -> weight (int or float, >= 0, at least one positive), one per source.
+            Only ratios matter. A float is read as the decimal it prints as (0.1 is 1/10).
+        seed: the plan's seed (0 <= seed < 2**64): the interleave's phases and every pass's
+            permutation derive from it.
+        num_samples: positions per epoch; default the sum of the sources' lengths.
+
+    Raises:
+        TypeError: a source without ``__len__``, a name that is not a string, a weight that is
+            not a number, or a ``fingerprint()`` that does not return a string.
+        ValueError: no sources, an empty source, weights that do not name exactly the sources,
+            a negative, infinite or NaN weight, all weights 0, a bad seed or ``num_samples``,
+            or a ``fingerprint()`` longer than 1024 characters.
+        RuntimeError: a source's ``fingerprint()`` raised (chained).
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, Any],
+        weights: Mapping[str, float],
+        *,
+        seed: int = 0,
+        num_samples: int | None = None,
+    ) -> None:
+        if not isinstance(sources, Mapping) or not sources:
+            raise ValueError("sources must be a non-empty mapping from name to dataset")
+        for name in sources:
+            if not isinstance(name, str):
+                raise TypeError(f"source names must be strings, not {name!r}")
+        self._names = tuple(sorted(sources))
+        self._sources = tuple(sources[n] for n in self._names)
+        lengths = []
+        for n, ds in zip(self._names, self._sources):
+            try:
+                length = len(ds)
+            except TypeError:
+                raise TypeError(
+                    f"source {n!r} ({type(ds).__name__}) has no len(): a Mixture draws from "
+                    "map-style datasets"
+                ) from None
+            if length < 1:
+                raise ValueError(f"source {n!r} is empty")
+            lengths.append(length)
+        self._lengths = tuple(lengths)
+        self._fingerprints = tuple(
+            F.fingerprint_of(ds, f"source {n!r}") for n, ds in zip(self._names, self._sources)
+        )
+        self._seed = _check_int("seed", seed, 0, 1 << 64)
+        if num_samples is None:
+            num_samples = sum(self._lengths)
+        self._num_samples = _check_int("num_samples", num_samples, 1, None)
+        self._epoch = 0
+        plain, fracs = _check_weights(weights, self._names)
+        self._segments = [_Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
+        self._starts = [0]
+        self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
+        # epoch -> its rests, by start (see ``_Rest``); empty in a plan never changed mid-epoch.
+        self._rests: dict[int, list[_Rest]] = {}
+        # The place of each position in the order of the epoch whose rests were last used:
+        # (epoch, array). Built on first use in that epoch, O(len) memory; never pickled.
+        self._inverse: tuple[int, np.ndarray] | None = None
+        # The first global position set_weights may change: a loader with workers serves an
+        # epoch from the plan as it was at iter() (see ``hold_epoch``).
+        self._floor = 0
+        # The last plan a worker adopted from its Epoch message (``_adopt``).
+        self._adopted: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Caches are rebuilt where they are used: a spawned worker gets the plan, not an array
+        # of len(mixture) entries.
+        state = dict(self.__dict__)
+        state["_inverse"] = None
+        state["_keys"] = {}
+        return state
+
+    # ---- the plan ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._num_samples
+
+    def __getitem__(self, index: int) -> Any:
+        k, item = self._locate(self._global(index))
+        return self._sources[k][item]
+
+    def __iter__(self) -> Iterator[Any]:
+        # Without it, Python's fallback iteration would call __getitem__ until an IndexError,
+        # which never comes: positions run on into the next epochs.
+        for i in range(self._num_samples):
+            yield self[i]
+
+    def source_of(self, index: int) -> tuple[str, int]:
+        """Which source, and which of its items, ``mixture[index]`` is (for logging).
+
+        Args:
+            index: a position, as for ``mixture[index]``.
+
+        Returns:
+            ``(source name, index within the source)``.
+
+        Raises:
+            IndexError: ``index < -len(mixture)``.
+        """
+        k, item = self._locate(self._global(index))
+        return self._names[k], item
+
+    def counts_before(self, position: int) -> dict[str, int]:
+        """How many samples of each source the global positions ``[0, position)`` draw.
+
+        ``count // len(source)`` is the number of full passes over that source.
+
+        Args:
+            position: a global position (``epoch * len(mixture) + position in the epoch``).
+
+        Returns:
+            source name -> count.
+        """
+        position = _check_int("position", position, 0, None)
+        seg = self._segments[bisect.bisect_right(self._starts, position) - 1]
+        m = position - seg.start
+        return {n: seg.base[k] + seg.count(k, m) for k, n in enumerate(self._names)}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make ``mixture[i]`` mean position ``i`` of epoch ``epoch``.
+
+        Args:
+            epoch: the epoch, >= 0.
+        """
+        self._epoch = _check_int("epoch", epoch, 0, None)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch that ``mixture[i]`` indexes into (see ``set_epoch``)."""
+        return self._epoch
+
+    @property
+    def seed(self) -> int:
+        """The plan's seed."""
+        return self._seed
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The sources' names, sorted."""
+        return self._names
+
+    @property
+    def sources(self) -> dict[str, Any]:
+        """name -> source dataset."""
+        return dict(zip(self._names, self._sources))
+
+    @property
+    def weights(self) -> dict[str, int | float]:
+        """The weights of the last segment of the plan (the newest ones)."""
+        return dict(self._segments[-1].weights)
+
+    @property
+    def history(self) -> list[tuple[int, dict[str, int | float]]]:
+        """The plan's segments: ``(first global position, weights)``, in order; the first
+        starts at 0."""
+        return [(s.start, dict(s.weights)) for s in self._segments]
+
+    def set_weights(self, weights: Mapping[str, float], from_position: int) -> None:
+        """Use ``weights`` from global position ``from_position`` on.
+
+        Each source's passes continue where the positions before ``from_position`` left
+        them, so no item of a source's current pass is drawn twice. The positions before
+        ``from_position`` keep their samples: make it at least the global position of every
+        sample already consumed. A loader whose sampler shuffles the positions of an epoch has
+        consumed a scattered set of them mid-epoch: then give the start of the next epoch
+        (``(epoch + 1) * len(mixture)``), or change the weights at a resume (the loader's
+        ``load_state_dict`` gives them to the rest of the shuffled epoch).
+
+        A ``resumable_loader.DataLoader`` with workers serves an epoch from the plan as it was
+        at ``iter()`` (each worker gets it with the epoch): once it began epoch ``e``, a change
+        before ``(e + 1) * len(mixture)`` would not reach the workers, and is refused.
+
+        Args:
+            weights: name -> weight, one per source (as in the constructor).
+            from_position: the first global position drawn under ``weights``; not before the
+                start of the newest segment (``history[-1][0]``), whose weights it replaces
+                when equal to it.
+
+        Raises:
+            ValueError: bad weights, ``from_position`` before the newest segment's start, or
+                inside an epoch a loader's workers already serve.
+        """
+        from_position = _check_int("from_position", from_position, 0, None)
+        plain, fracs = _check_weights(weights, self._names)
+        last = self._segments[-1]
+        if from_position < self._floor:
+            raise ValueError(
+                f"weights cannot apply from global position {from_position}: a DataLoader's "
+                f"workers serve the epoch up to position {self._floor} from the plan they got "
+                "at iter(), and the loader's state saves that plan. Give a position >= "
+                f"{self._floor} (the next epoch), or change the weights at a resume: build the "
+                "Mixture with them and call loader.load_state_dict(state)."
+            )
+        if from_position < last.start:
+            raise ValueError(
+                f"weights cannot apply from global position {from_position}: the plan already "
+                f"has weights {last.weights} from position {last.start} on, and positions "
+                "drawn under them keep their samples. Give a position >= "
+                f"{last.start} (the next unconsumed one)."
+            )
+        if _same_ratios(fracs, _check_weights(last.weights, self._names)[1]):
+            return
+        segments = self._segments[:-1] if from_position == last.start else self._segments
+        self._segments = [*segments, self._segment_after(segments, from_position, plain, fracs)]
+        self._starts = [s.start for s in self._segments]
+
+    def fingerprint(self) -> str:
+        """A digest of the data: each source's name, length and ``fingerprint()`` (if it has
+        one). Not of the weights or the seed, which a resume may change or carry."""
+        parts = list(zip(self._names, self._lengths, self._fingerprints))
+        return "mixture:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The plan as plain data: seed, epoch, ``num_samples``, the weights history and each
+        source's name, length and fingerprint. Its size does not grow with the samples drawn.
+
+        Returns:
+            a dict of None/bool/int/float/str/list/dict (json, msgpack and
+            ``torch.load(weights_only=True)`` safe).
+        """
+        state = {
+            "kind": STATE_KIND,
+            "version": 1,
+            "seed": self._seed,
+            "num_samples": self._num_samples,
+            "epoch": self._epoch,
+            "sources": [
+                {"name": n, "length": length, "fingerprint": fp}
+                for n, length, fp in zip(self._names, self._lengths, self._fingerprints)
+            ],
+            "weights": [{"from": s.start, "weights": dict(s.weights)} for s in self._segments],
+        }
+        if self._rests:
+            state["version"] = STATE_VERSION
+            state["rests"] = [
+                r.to_state(self._num_samples) for e in sorted(self._rests) for r in self._rests[e]
+            ]
+        return state
+
+    def load_state_dict(
+        self,
+        state: Mapping[str, Any],
+        *,
+        resume_at: int | None = None,
+        on_dataset_change: str = "raise",
+    ) -> None:
+        """Continue the plan saved in ``state``: its seed, epoch and weights history.
+
+        The sources must be the checkpoint's: the same names, lengths and fingerprints, and the
+        same ``num_samples`` -- or, with ``on_dataset_change="continue"``, the same names: the
+        plan then goes on over the changed sources (positions keep their sources; a changed
+        source's passes draw from its new items) with one ``RuntimeWarning`` naming what
+        changed. If this mixture was built with other weights than the checkpoint's newest,
+        they apply from global position ``resume_at`` on (see ``set_weights``); without
+        ``resume_at`` the checkpoint's weights are kept, with a ``UserWarning``. On any error
+        the mixture is left exactly as it was.
+
+        Args:
+            state: a ``state_dict()``.
+            resume_at: the global position of the first sample not yet consumed.
+            on_dataset_change: ``"raise"`` (default) or ``"continue"``, as above.
+
+        Raises:
+            CheckpointError: a malformed state, another version, sources added or removed
+                (whatever ``on_dataset_change`` says: the weights name the sources), sources
+                changed or another ``num_samples`` (the message names the source and both
+                values), or a ``resume_at`` before the checkpoint's newest segment.
+            ValueError: ``on_dataset_change`` is neither ``"raise"`` nor ``"continue"``.
+        """
+        policy = F.check_policy(on_dataset_change)
+        changes, _ = self._load(state, resume_at, policy == F.CONTINUE, check_num_samples=True)
+        if changes:
+            F.warn_changed(changes, "Mixture", stacklevel=2)
+
+    def _load(
+        self,
+        state: Any,
+        resume: int | RestAt | str | None,
+        changes_ok: bool,
+        *,
+        check_num_samples: bool,
+    ) -> tuple[list[str], bool]:
+        """``load_state_dict``'s work; returns what changed in the data (allowed when
+        ``changes_ok``, else refused), and whether new weights were applied. New weights (this
+        mixture's, when they are not the checkpoint's newest) apply from ``resume``: a global
+        position, a place in a shuffled epoch's order (``RestAt``), or -- a str -- nowhere:
+        the reason they cannot."""
+        seed, epoch, segments, changes, rests = self._parse_state(state, check_num_samples)
+        if changes and not changes_ok:
+            raise F.changed_error(changes, "Mixture")
+        own = self._segments[-1]
+        own_fracs = _check_weights(own.weights, self._names)[1]
+        specs = [(start, *_check_weights(w, self._names)) for start, w in segments]
+        rest_specs = [(e, order, at, *_check_weights(w, self._names)) for e, order, at, w in rests]
+        theirs = specs[-1][1]
+        applied = False
+        if not _same_ratios(own_fracs, specs[-1][2]):
+            new = (own.weights, own_fracs)
+            if isinstance(resume, str):
+                raise CheckpointError(
+                    f"this Mixture was built with weights {own.weights}, the checkpoint has "
+                    f"{theirs}, and they cannot apply from the resume point: {resume}. Build "
+                    f"the Mixture with the checkpoint's weights {theirs} to resume, then call "
+                    "mix.set_weights(new_weights, from_position=(epoch + 1) * len(mix)) to "
+                    "change them from the next epoch."
+                )
+            applied = resume is not None
+            if isinstance(resume, RestAt):
+                specs, rest_specs = self._with_rest(specs, rest_specs, resume, new)
+            elif resume is not None:
+                try:
+                    resume = _check_int("resume_at", resume, 0, None)
+                except (TypeError, ValueError) as e:
+                    raise CheckpointError(str(e)) from None
+                if resume < specs[-1][0]:
+                    raise CheckpointError(
+                        f"the new weights {own.weights} cannot apply from global position "
+                        f"{resume}: the checkpoint's weights {theirs} apply from "
+                        f"{specs[-1][0]} on. Pass the position of the first unconsumed sample."
+                    )
+                keep = specs[:-1] if resume == specs[-1][0] else specs
+                specs = [*keep, (resume, *new)]
+            else:
+                warnings.warn(
+                    f"this Mixture was built with weights {own.weights}, the checkpoint has "
+                    f"{theirs}: kept the checkpoint's. To change them at the resume, pass "
+                    "load_state_dict(state, resume_at=<first unconsumed global position>) or "
+                    "call set_weights() after loading.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        built, built_rests = self._build(specs, rest_specs, seed)
+        self._seed, self._epoch = seed, epoch
+        self._commit(built, built_rests)
+        self._floor = 0  # a loaded plan is the loader's to hold again at its next iter()
+        return changes, applied
+
+    def _with_rest(
+        self, specs: list[Any], rest_specs: list[Any], at: RestAt, new: tuple[Any, Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """The plan's specs with ``new`` weights from place ``at.start`` of epoch ``at.epoch``'s
+        order on, and from the next epoch's first position on."""
+        end = (at.epoch + 1) * self._num_samples
+        if specs[-1][0] > end:
+            raise CheckpointError(
+                f"the new weights {new[0]} cannot apply inside epoch {at.epoch}: the checkpoint "
+                f"schedules weights {specs[-1][1]} from global position {specs[-1][0]} on, "
+                "after that epoch. Build the Mixture with the checkpoint's weights to resume."
+            )
+        keep = specs[:-1] if specs[-1][0] == end else specs
+        earlier = []
+        for r in rest_specs:
+            if r[0] == at.epoch and r[1] != at.order:
+                raise CheckpointError(
+                    f"the checkpoint changed the weights inside epoch {at.epoch} under the "
+                    f"sampler order {r[1]}, this loader's order is {at.order}: build the "
+                    "sampler as the checkpoint's was (its seed, shuffle and generator)."
+                )
+            if r[0] == at.epoch and r[2] > at.start:
+                raise CheckpointError(
+                    f"the new weights {new[0]} cannot apply from place {at.start} of epoch "
+                    f"{at.epoch}: the checkpoint's weights {r[3]} apply from place {r[2]} on."
+                )
+            if r[0] != at.epoch or r[2] < at.start:
+                earlier.append(r)
+        return [*keep, (end, *new)], [*earlier, (at.epoch, at.order, at.start, *new)]
+
+    def _build(
+        self, specs: list[Any], rest_specs: list[Any], seed: int
+    ) -> tuple[list[_Segment], dict[int, list[_Rest]]]:
+        """The segments of ``specs`` (``(start, weights, fractions)``) and the rests of
+        ``rest_specs`` (``(epoch, order, start, weights, fractions)``, in order), each with the
+        counts carried over from what comes before it. An epoch's rests draw after the whole
+        epoch's draws under the segments (``_Rest``), and the next epoch's segment after them.
+
+        Raises:
+            CheckpointError: an epoch's rests without a segment that starts the next epoch.
+        """
+        n = self._num_samples
+        groups: dict[int, list[Any]] = {}
+        for r in rest_specs:
+            groups.setdefault(r[0], []).append(r)
+        anchors = {(e + 1) * n: e for e in groups}
+        built: list[_Segment] = []
+        rests: dict[int, list[_Rest]] = {}
+        for start, plain, fracs in specs:
+            e = anchors.pop(start, None)
+            if e is None or not built:
+                built.append(self._segment_after(built, start, plain, fracs, seed))
+                continue
+            prev = built[-1]
+            base = tuple(
+                prev.base[k] + prev.count(k, start - prev.start) for k in range(len(self._names))
+            )
+            made = []
+            group = groups[e]
+            for i, (_, order, at, rplain, rfracs) in enumerate(group):
+                seg = _Segment(e * n + at, rplain, rfracs, base, seed)
+                stop = group[i + 1][2] if i + 1 < len(group) else n
+                base = tuple(b + seg.count(k, stop - at) for k, b in enumerate(base))
+                made.append(_Rest(e, order, at, seg))
+            rests[e] = made
+            built.append(_Segment(start, plain, fracs, base, seed))
+        if anchors:
+            raise CheckpointError(
+                "bad Mixture state: the weights changed inside epoch(s) "
+                f"{sorted(anchors.values())} but no weights segment starts the epoch after"
+            )
+        return built, rests
+
+    def _commit(self, built: list[_Segment], rests: dict[int, list[_Rest]]) -> None:
+        self._segments = built
+        self._starts = [s.start for s in built]
+        self._rests = rests
+        self._keys = {}
+        self._inverse = None
+
+    def _adopt(self, plan: Any) -> None:
+        """Serve ``plan`` (the main process's ``state_dict()``, sent with an epoch) from now
+        on: its seed, weights history and rests; the epoch comes with the message."""
+        if plan == self._adopted:
+            return
+        seed, _, segments, _, rests = self._parse_state(plan, check_num_samples=False)
+        specs = [(start, *_check_weights(w, self._names)) for start, w in segments]
+        rest_specs = [(e, order, at, *_check_weights(w, self._names)) for e, order, at, w in rests]
+        built, built_rests = self._build(specs, rest_specs, seed)
+        self._seed = seed
+        self._commit(built, built_rests)
+        self._adopted = plan
+
+    def _parse_state(
+        self, state: Any, check_num_samples: bool
+    ) -> tuple[int, int, list[tuple[int, Any]], list[str], list[tuple[int, Any, int, Any]]]:
+        """Validate ``state`` against this mixture's sources; nothing is changed. Returns its
+        seed, epoch, segments, how the sources (and ``num_samples``, when
+        ``check_num_samples``) differ from the checkpoint's, and its rests."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"a Mixture state is a dict, not {type(state).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise CheckpointError(f"not a Mixture state: missing keys {missing}")
+        if state["kind"] != STATE_KIND:
+            raise CheckpointError(f"not a Mixture state: kind is {state['kind']!r}")
+        if state["version"] not in _READS or isinstance(state["version"], bool):
+            raise CheckpointError(
+                f"Mixture state version {state['version']!r}; this resumable_loader reads "
+                f"versions {list(_READS)}. Resume with the version that saved it."
+            )
+        changes = self._source_changes(state["sources"])
+        try:
+            seed = _check_int("seed", state["seed"], 0, 1 << 64)
+            epoch = _check_int("epoch", state["epoch"], 0, None)
+            num_samples = _check_int("num_samples", state["num_samples"], 1, None)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"bad Mixture state: {e}") from None
+        if num_samples != self._num_samples and check_num_samples:
+            changes.append(
+                f"the checkpoint's Mixture has num_samples={num_samples}, this one "
+                f"{self._num_samples} (global positions fall in other epochs; build it with "
+                f"num_samples={num_samples} to keep them)"
+            )
+        history = state["weights"]
+        if not isinstance(history, list) or not history:
+            raise CheckpointError("bad Mixture state: 'weights' must be a non-empty list")
+        segments: list[tuple[int, Any]] = []
+        for j, seg in enumerate(history):
+            if not isinstance(seg, Mapping) or set(seg) != {"from", "weights"}:
+                raise CheckpointError(f"bad Mixture state: weights[{j}] is {clip_repr(seg)}")
+            start = seg["from"]
+            earlier = segments[-1][0] if segments else -1
+            if not _is_int(start) or start <= earlier or (j == 0 and start != 0):
+                raise CheckpointError(
+                    f"bad Mixture state: weights[{j}] starts at {start!r}; the segments must "
+                    "start at 0 and at increasing positions"
+                )
+            try:
+                _check_weights(seg["weights"], self._names)
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"bad Mixture state: weights[{j}]: {e}") from None
+            segments.append((start, seg["weights"]))
+        return seed, epoch, segments, changes, self._parse_rests(state)
+
+    def _parse_rests(self, state: Mapping[str, Any]) -> list[tuple[int, Any, int, Any]]:
+        """A state's ``rests`` (version 2), validated: ``(epoch, order, start, weights)``."""
+        raw = state.get("rests")
+        if raw is None:
+            return []
+        if state["version"] == 1 or not isinstance(raw, list):
+            raise CheckpointError(f"bad Mixture state: 'rests' is {clip_repr(raw)}")
+        rests: list[tuple[int, Any, int, Any]] = []
+        for j, r in enumerate(raw):
+            ok = isinstance(r, Mapping) and set(r) == _REST_KEYS
+            if ok:
+                e, length, at = r["epoch"], r["length"], r["from"]
+                ok = _is_int(e) and e >= 0 and _is_int(length) and _is_int(at)
+            if not ok:
+                raise CheckpointError(f"bad Mixture state: rests[{j}] is {clip_repr(r)}")
+            if length != self._num_samples:
+                raise CheckpointError(
+                    f"the checkpoint's Mixture changed its weights inside epoch {e} of "
+                    f"{length} positions (a shuffled epoch, keyed by its order); this one has "
+                    f"num_samples={self._num_samples}. Build it with num_samples={length}."
+                )
+            problem = check_order(r["order"])
+            if not 0 < at < length or problem is not None:
+                raise CheckpointError(
+                    f"bad Mixture state: rests[{j}]: "
+                    f"{problem or f'from is {at}, not inside the epoch (0, {length})'}"
+                )
+            if rests and (rests[-1][0], rests[-1][2]) >= (e, at):
+                raise CheckpointError(f"bad Mixture state: rests[{j}] is out of order")
+            if rests and rests[-1][0] == e and rests[-1][1] != r["order"]:
+                raise CheckpointError(f"bad Mixture state: rests[{j}]: one epoch, two orders")
+            try:
+                _check_weights(r["weights"], self._names)
+            except (TypeError, ValueError) as exc:
+                raise CheckpointError(f"bad Mixture state: rests[{j}]: {exc}") from None
+            rests.append((e, dict(r["order"]), at, r["weights"]))
+        return rests
+
+    def _source_changes(self, saved: Any) -> list[str]:
+        """How each source differs from the checkpoint's (length, fingerprint), one line each.
+
+        Raises:
+            CheckpointError: malformed, or sources added or removed.
+        """
+        if not isinstance(saved, list) or not all(
+            isinstance(s, Mapping)
+            and {"name", "length", "fingerprint"} <= set(s)
+            # Typed before they are hashed or compared: a damaged file may hold a list or an
+            # array there, whose hash raises and whose == is elementwise.
+            and type(s["name"]) is str
+            and type(s["length"]) is int
+            and (s["fingerprint"] is None or type(s["fingerprint"]) is str)
+            for s in saved
+        ):
+            raise CheckpointError(f"bad Mixture state: 'sources' is {clip_repr(saved)}")
+        theirs = {s["name"]: s for s in saved}
+        added = [n for n in self._names if n not in theirs]
+        removed = sorted(n for n in theirs if n not in self._names)
+        if added or removed:
+            change = []
+            if added:
+                change.append(f"{added} added")
+            if removed:
+                change.append(f"{removed} removed")
+            raise CheckpointError(
+                f"the Mixture's sources changed since the checkpoint: {' and '.join(change)} "
+                f"(checkpoint: {sorted(theirs)}, now: {list(self._names)}). Resume with the "
+                "checkpoint's sources; set a source's weight to 0 to stop drawing from it "
+                "(on_dataset_change='continue' does not apply: the weights name the sources)."
+            )
+        changes = []
+        for n, length, fp in zip(self._names, self._lengths, self._fingerprints):
+            if theirs[n]["length"] != length:
+                changes.append(
+                    f"source {n!r} had {clip_repr(theirs[n]['length'])} items in the "
+                    f"checkpoint, now {length} (its passes draw other items)"
+                )
+            if theirs[n]["fingerprint"] != fp:
+                changes.append(
+                    f"source {n!r} has fingerprint {clip_repr(fp, 120)}, the checkpoint "
+                    f"{clip_repr(theirs[n]['fingerprint'], 120)}"
+                )
+        return changes
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _segment_after(
+        self,
+        earlier: list[_Segment],
+        start: int,
+        plain: dict[str, int | float],
+        fracs: tuple[Fraction, ...],
+        seed: int | None = None,
+    ) -> _Segment:
+        """A segment from ``start`` on, its counts carried over from ``earlier`` (O(#segments)
+        work, once per change)."""
+        if earlier:
+            prev = earlier[-1]
+            m = start - prev.start
+            base = tuple(prev.base[k] + prev.count(k, m) for k in range(len(self._names)))
+        else:
+            base = (0,) * len(self._names)
+        return _Segment(start, plain, fracs, base, self._seed if seed is None else seed)
+
+    def _global(self, index: int) -> int:
+        i = operator.index(index)
+        if i < 0:
+            if i < -self._num_samples:
+                raise IndexError(
+                    f"index {i} is out of range for a Mixture of {self._num_samples} samples"
+                )
+            i += self._num_samples
+        return self._epoch * self._num_samples + i
+
+    def _locate(self, g: int) -> tuple[int, int]:
+        """(source, item) of global position ``g``."""
+        found = self._in_rest(g) if self._rests else None
+        if found is not None:
+            k, drawn = found
+        else:
+            segments = self._segments
+            if len(segments) == 1:
+                seg = segments[0]
+            else:
+                seg = segments[bisect.bisect_right(self._starts, g) - 1]
+            k, m = seg.locate(g - seg.start)
+            drawn = seg.base[k] + m
+        length = self._lengths[k]
+        npass, offset = divmod(drawn, length)
+        keys = self._keys.get((k, npass))
+        if keys is None:
+            if len(self._keys) >= _KEY_CACHE_SIZE:
+                self._keys.clear()
+            raw = _derive(self._seed, "pass", self._names[k], npass)
+            keys = tuple(
+                int.from_bytes(raw[4 * r : 4 * r + 4], "little") & _M30 for r in range(_ROUNDS)
+            )
+            self._keys[(k, npass)] = keys
+        return k, _permute(offset, length, keys)
+
+    def _in_rest(self, g: int) -> tuple[int, int] | None:
+        """(source, its sample count) of ``g`` if it falls in a rest (``_Rest``), else None."""
+        n = self._num_samples
+        epoch, p = divmod(g, n)
+        group = self._rests.get(epoch)
+        if group is None:
+            return None
+        inverse = self._inverse
+        if inverse is None or inverse[0] != epoch:
+            order = order_of(group[0].order, n)
+            places = np.empty(n, dtype=np.int64)
+            places[order] = np.arange(n, dtype=np.int64)
+            self._inverse = inverse = (epoch, places)
+        d = int(inverse[1][p])
+        rest = None
+        for r in group:  # one per weights change in the epoch: a short list
+            if r.start > d:
+                break
+            rest = r
+        if rest is None:
+            return None
+        k, m = rest.seg.locate(d - rest.start)
+        return k, rest.seg.base[k] + m
+
+    def __repr__(self) -> str:
+        sources = ", ".join(f"{n}({length})" for n, length in zip(self._names, self._lengths))
+        return (
+            f"Mixture([{sources}], weights={self.weights}, seed={self._seed}, "
+            f"num_samples={self._num_samples})"
+        )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(what: str, value: Any, low: int, high: int | None) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, not {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {value!r}") from None
+    if v < low or (high is not None and v >= high):
+        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{what} must be {bound}, not {v}")
+    return v
+
+
+def _same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
+    sa, sb = sum(a), sum(b)
+    return all(x * sb == y * sa for x, y in zip(a, b))
+
+
+def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
+    """How ``dataset``'s sources differ from those of a saved ``plan`` (the loader's check;
+    ``num_samples`` is left out: to the loader it is the dataset's length, checked as such).
+
+    Raises:
+        CheckpointError: a malformed plan, or sources added or removed.
+    """
+    return dataset._parse_state(plan, check_num_samples=False)[3]
+
+
+def load_plan(dataset: Mixture, plan: Any, *, resume: int | RestAt | str, changes_ok: bool) -> bool:
+    """``dataset.load_state_dict(plan, ...)`` for the loader, which checked the data already
+    (``plan_changes``) and warns of changes itself, once. New weights the mixture was built
+    with apply from ``resume``: a global position, a place in a shuffled epoch's order, or --
+    a str saying why -- nowhere (refused). Returns whether new weights were applied."""
+    return dataset._load(plan, resume, changes_ok, check_num_samples=False)[1]
