@@ -2,21 +2,22 @@
 
 Run by hand, from the repository root, at the commit whose states the corpus should hold:
 
-    PYTHONPATH=$PWD python tests/data/states/make_states.py
+    PYTHONPATH=$PWD python tests/data/states/make_states.py [--overwrite]
 
 It is not a test (pytest collects only ``test_*.py``) and the corpus is not regenerated in CI:
 its point is to keep states written by *old* code, which ``tests/test_saved_states.py`` loads
-with the current code. Regenerating it at a newer commit would throw that away; add new cases
-next to the old files instead.
+with the current code. Regenerating it at a newer commit would throw that away, so the script
+writes only the cases that have no files yet (new cases go next to the old files) unless
+``--overwrite`` is given.
 
 Each case builds a loader (``cases.py``), runs it part-way, saves ``state_dict()``, and keeps
 running the same loader -- the uninterrupted run -- to record the batches due next: the rest of
 the pass the state was taken in and one more full pass (or two full passes after a state taken
-at ``StopIteration``). A case resumed under another configuration (another batch size, new
-mixture weights, another number of ranks) has no uninterrupted run of its own: its batches are
-those a loader resumed at this commit delivers, and the script checks them against the
-uninterrupted run where the two must agree (the same samples, re-cut; every sample of the
-epoch once) before writing anything.
+after the epoch's last batch, at ``StopIteration`` or just before it). A case resumed under
+another configuration (another batch size, new mixture weights, another number of ranks) has no
+uninterrupted run of its own: its batches are those a loader resumed at this commit delivers,
+and the script checks them against the uninterrupted run where the two must agree (the same
+samples, re-cut; every sample of the epoch once) before writing the case.
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ SIMPLE: dict[str, tuple[str, str, dict, list, list]] = {
 
 
 def write(name: str, data: bytes, record: dict) -> None:
+    if (HERE / f"{name}.state").exists() and "--overwrite" not in sys.argv:
+        print(f"kept {name}: it holds states of the commit that wrote it")
+        return
     (HERE / f"{name}.state").write_bytes(data)
     (HERE / f"{name}.json").write_text(json.dumps(record) + "\n")
 
@@ -332,8 +336,6 @@ def merged_cases() -> None:
 
 def main() -> None:
     torch.manual_seed(0)  # the loaders' seed roots without a generator: a reproducible corpus
-    for old in list(HERE.glob("*.state")) + list(HERE.glob("*.json")):
-        old.unlink()
     simple_cases()
     rebatch_case()
     mixture_new_weights_case()
@@ -342,7 +344,7 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE
     ).stdout.strip()
     size = sum(p.stat().st_size for p in HERE.iterdir() if p.is_file())
-    print(f"wrote {len(list(HERE.glob('*.state')))} cases at {commit}, {size} bytes in all")
+    print(f"{len(list(HERE.glob('*.state')))} cases, run at {commit}, {size} bytes in all")
 
 
 if __name__ == "__main__":
