@@ -39,6 +39,7 @@ from ..plans.index_plan import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, STAT
 from ..plans.mixture import Mixture, RestAt, follow_epoch, hold_epoch, load_plan, plan_changes
 from ..plans.samplers import BatchSampler as OurBatchSampler
 from ..plans.samplers import RandomSampler as OurRandomSampler
+from ..plans.samplers import recorded_name
 from ..state import fingerprint as F
 from ..state import ranks as D
 from ..state import schema as S
@@ -731,7 +732,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         if not self._user_batches:
             return None
         bs = self.batch_sampler
-        name = f"{type(bs).__module__}.{type(bs).__qualname__}"
+        name = recorded_name(bs)
         if isinstance(bs, torch.utils.data.BatchSampler):
             return f"{name}(batch_size={bs.batch_size}, drop_last={bs.drop_last})"
         return name

@@ -37,7 +37,7 @@ from ..state.schema import has_state
 from ..state.seeds import SAMPLER, derive_seed
 from .samplers import BatchSampler as _OurBatchSampler
 from .samplers import RandomSampler as _OurRandomSampler
-from .samplers import shuffle_order
+from .samplers import recorded_name, shuffle_order
 
 # torch's batching and orders, and ours (the loader's own, which carry its seed chain).
 _BATCHERS = (BatchSampler, _OurBatchSampler)
@@ -48,11 +48,6 @@ STATEFUL = "stateful"
 FASTFORWARD = "fastforward"
 DISTRIBUTED = "distributed"
 ITERABLE = "iterable"
-
-
-def _qualname(obj: object) -> str:
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class IndexPlan:
@@ -88,7 +83,7 @@ class IndexPlan:
             self.description = "iterable"
         elif self._stateful_obj is not None:
             self.kind = STATEFUL
-            self.description = f"stateful:{_qualname(self._stateful_obj)}"
+            self.description = f"stateful:{recorded_name(self._stateful_obj)}"
         else:
             builtin_batching = not auto_collation or type(batch_sampler) in _BATCHERS
             if auto_collation and type(batch_sampler) in _BATCHERS:
@@ -110,9 +105,9 @@ class IndexPlan:
                     )
             else:
                 self.kind = FASTFORWARD
-                self.description = f"fastforward:{_qualname(index_sampler)}"
+                self.description = f"fastforward:{recorded_name(index_sampler)}"
                 if auto_collation and type(batch_sampler) in _BATCHERS:
-                    self.description += f"({_qualname(inner)})"
+                    self.description += f"({recorded_name(inner)})"
         self._inner = inner
         # FASTFORWARD: a generator of the sampler's own (torch's SubsetRandomSampler and
         # WeightedRandomSampler take one). Its state at each epoch's start is saved, so the

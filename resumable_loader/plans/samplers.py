@@ -179,6 +179,24 @@ class BatchSampler(_TorchBatchSampler):
         self.sampler.load_state_dict(state)
 
 
+# ---- the names states record ----------------------------------------------------------------
+# A state's config names a batch sampler passed to the loader by its class (accelerate passes
+# ours when it rebuilds a loader), and a resume compares that name. These classes lived in the
+# flat module ``resumable_loader._samplers`` until the layers redesign (issue #32) moved them:
+# states keep naming them so, or every checkpoint saved before the move would be refused.
+_RECORDED_NAMES: dict[type, str] = {
+    RandomSampler: "resumable_loader._samplers.RandomSampler",
+    BatchSampler: "resumable_loader._samplers.BatchSampler",
+}
+
+
+def recorded_name(obj: object) -> str:
+    """The name a state records for ``obj``'s class: ``module.qualname``, or for our own
+    samplers the name every state has recorded for them (see above)."""
+    cls = type(obj)
+    return _RECORDED_NAMES.get(cls) or f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _position(state: Any, what: str) -> int:
     at = state.get(_YIELDED) if isinstance(state, dict) else None
     if type(at) is not int or at < 0:

@@ -1,11 +1,11 @@
 """The datasets, samplers and loader builders of the saved-state corpus (``*.state``/``*.json``).
 
-Shared by ``make_states.py``, which wrote the corpus, and ``tests/test_saved_states.py``, which
-loads it. Both import this file as the top-level module ``cases`` (each puts this folder on
-``sys.path``), and nothing here may be renamed or moved: a state records the qualified names of
-its dataset's class, of a user sampler's class (``module.qualname``) and of a batch sampler
-passed in, so a renamed class would make the saved states refer to data this code no longer
-builds -- which is a different failure from the one the corpus is there to catch.
+Shared by ``make_states.py``, which wrote the corpus, and ``tests/state/test_saved_states.py``,
+which loads it. Both import this file as the top-level module ``cases`` (each puts this folder on
+``sys.path``), and nothing here may be renamed or moved: a state records the qualified names of its
+dataset's class, of a user sampler's class (``module.qualname``) and of a batch sampler passed in,
+so a renamed class would make the saved states refer to data this code no longer builds -- which is
+a different failure from the one the corpus is there to catch.
 
 Every item is a pure function of its index (and, for ``Jitter``, of the RNG seeds the loader
 sets), so a batch recorded at one commit can be compared with one produced at another.

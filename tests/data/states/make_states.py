@@ -5,7 +5,7 @@ Run by hand, from the repository root, at the commit whose states the corpus sho
     PYTHONPATH=$PWD python tests/data/states/make_states.py [--overwrite]
 
 It is not a test (pytest collects only ``test_*.py``) and the corpus is not regenerated in CI:
-its point is to keep states written by *old* code, which ``tests/test_saved_states.py`` loads
+its point is to keep states written by *old* code, which ``tests/state/test_saved_states.py`` loads
 with the current code. Regenerating it at a newer commit would throw that away, so the script
 writes only the cases that have no files yet (new cases go next to the old files) unless
 ``--overwrite`` is given.

@@ -30,7 +30,7 @@ import pytest
 
 from resumable_loader import load_state
 
-STATES = Path(__file__).parent / "data" / "states"
+STATES = Path(__file__).parents[1] / "data" / "states"
 # Imported as the top-level module ``cases``, as make_states.py imported it when it wrote the
 # states: a user sampler's state records its class as ``module.qualname``.
 sys.path.insert(0, str(STATES))
