@@ -509,16 +509,16 @@ class ShmFailure:
 
                 set_shared_allocator(new, strategy)
             # The loader's pooled segments are sized in the worker without torch's allocator.
-            from .pipeline.transport import channel as _transport
+            from .pipeline.transport import pools
 
-            reserve = _transport._reserve
+            reserve = pools.reserve
 
             def sized(fd: int, nbytes: int, _original: Any = reserve) -> None:
                 if fail(nbytes):
                     raise error(seen[0])
                 _original(fd, nbytes)
 
-            _transport._reserve = sized
+            pools.reserve = sized
         if self.where in ("share", "both"):
             for name in ("_share_fd_cpu_", "_share_filename_cpu_"):
                 original = getattr(storage_cls, name)
