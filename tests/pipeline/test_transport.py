@@ -526,6 +526,17 @@ class _BadBytesForOurRebuild:
         return (reducers._rebuild_small_tensor, (bytearray(3), torch.int64, (1,)))
 
 
+class _BadBytesForOurStateCodec:
+    """Reduced to a function of the package outside the transport (the state codec) that
+    refuses its bytes: a failure in any of the loader's modules is the loader's, not the
+    batch's."""
+
+    def __reduce__(self) -> Any:
+        from resumable_loader.state.codec import load_state
+
+        return (load_state, (b"not a state",))
+
+
 def _class_from_a_module_the_receiver_lacks() -> Any:
     """An instance of a class whose module exists while it is pickled, then is gone -- as a
     class defined in a module only the workers import."""
@@ -538,7 +549,9 @@ def _class_from_a_module_the_receiver_lacks() -> Any:
     return module.OnlyInWorkers()
 
 
-@pytest.mark.parametrize("case", ["batch's code", "missing class", "our rebuild"])
+@pytest.mark.parametrize(
+    "case", ["batch's code", "missing class", "our rebuild", "our other module"]
+)
 def test_an_undecodable_message_says_whose_failure_it_most_likely_is(case: str) -> None:
     """ "Our bug or the sample's; say which": read from where unpickling failed -- in code of
     the batch's own, in finding a class the main process lacks, or inside the loader's own
@@ -556,8 +569,10 @@ def test_an_undecodable_message_says_whose_failure_it_most_likely_is(case: str) 
         elif case == "missing class":
             send(theirs, ("batch", _class_from_a_module_the_receiver_lacks()), tag=(0, 5))
             del sys.modules["_only_in_workers"]
-        else:
+        elif case == "our rebuild":
             send(theirs, ("batch", _BadBytesForOurRebuild()), tag=(0, 5))
+        else:
+            send(theirs, ("batch", _BadBytesForOurStateCodec()), tag=(0, 5))
         (lost,) = recv.feed()
     finally:
         sys.modules.pop("_only_in_workers", None)

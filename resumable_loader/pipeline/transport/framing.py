@@ -335,7 +335,9 @@ class Receiver:
         self.sock.close()
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The whole package (three folders up: transport, pipeline, resumable_loader): a rebuild that
+# fails in any of our modules -- a message class's own, say -- is ours to fix.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
