@@ -258,7 +258,7 @@ def compare(workloads: list[str], rounds: int, quick: bool) -> dict[str, Any]:
 # ---- the fallback path's cost -------------------------------------------------------------------
 def _sender(sock: socket.socket, n: int, nbytes: int, shared: bool) -> None:
     """Child: build n batches as a worker would and send them; shared=False: inline copies."""
-    from resumable_loader.pipeline.transport import channel as _transport
+    from resumable_loader.pipeline import transport as _transport
 
     policy = _transport.ShmPolicy()
     for i in range(n):
@@ -274,7 +274,7 @@ def _sender(sock: socket.socket, n: int, nbytes: int, shared: bool) -> None:
 
 
 def transport_cost(n: int, nbytes: int, shared: bool) -> dict[str, float]:
-    from resumable_loader.pipeline.transport import channel as _transport
+    from resumable_loader.pipeline import transport as _transport
 
     ours, theirs = socket.socketpair()
     pid = os.fork()
@@ -322,7 +322,7 @@ def transport_cost(n: int, nbytes: int, shared: bool) -> dict[str, float]:
 def fallback_cost(rounds: int, quick: bool) -> dict[str, Any]:
     import warnings
 
-    from resumable_loader.pipeline.transport import channel as _transport
+    from resumable_loader.pipeline.transport import policy as shm_policy
     from resumable_loader.testing import ShmFailure
 
     nbytes = 32 * 3 * 224 * 224 * 4
@@ -343,7 +343,7 @@ def fallback_cost(rounds: int, quick: bool) -> dict[str, Any]:
     def full_shm_epoch() -> dict[str, float]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's own warning
-            _transport._shm_warned = False
+            shm_policy._shm_warned = False
             return run_epoch(ours, "image", n_batches, worker_init_fn=ShmFailure())
 
     l_runs = C.alternate(

@@ -15,10 +15,12 @@ module, in the order a batch meets them.
                              a death does,    TaskMsg, re-sends) write)    send)
                              the position)                                       │
  user ◄── reorder buffer ◄── pin thread ◄── result socket (one per worker) ◄─────┘
-        (_reorder: releases    (_pin:        (_transport: tensors' fds in-band, never blocks;
-         ids in order, drops    optional)     a result carries its stream state delta; the
-         duplicates)                          loader's shared-memory segments, LoaderPool,
-                                              lent task by task, their fds sent the other way)
+        (_reorder: releases    (_pin:        (transport/framing: the frame, tensors' fds
+         ids in order, drops    optional)     in-band, never blocks; a result carries its
+         duplicates)                          stream state delta; reducers: how storages
+                                              travel; pools: the loader's shared-memory
+                                              segments, LoaderPool, lent task by task, their
+                                              fds sent the other way; policy: a full /dev/shm)
 
  iterators (_iterators): one epoch's wiring of the stages above; the loader (_loader) builds
    it from an EpochSetup, and keeps its Cursor.

@@ -497,26 +497,28 @@ class ShmFailure:
             )
 
         if self.where in ("alloc", "both"):
-            for name in ("_new_using_fd_cpu", "_new_using_filename_cpu"):
-                original = getattr(storage_cls, name)  # bound to the class
+            from .core.compat import set_shared_allocator, shared_allocator
+
+            for strategy in ("file_descriptor", "file_system"):
+                original = shared_allocator(strategy)  # bound to the class
 
                 def new(cls: Any, size: int, _original: Any = original) -> Any:
                     if fail(size):
                         raise error(seen[0])
                     return _original(size)
 
-                setattr(storage_cls, name, classmethod(new))
+                set_shared_allocator(new, strategy)
             # The loader's pooled segments are sized in the worker without torch's allocator.
-            from .pipeline.transport import channel as _transport
+            from .pipeline.transport import pools
 
-            reserve = _transport._reserve
+            reserve = pools.reserve
 
             def sized(fd: int, nbytes: int, _original: Any = reserve) -> None:
                 if fail(nbytes):
                     raise error(seen[0])
                 _original(fd, nbytes)
 
-            _transport._reserve = sized
+            pools.reserve = sized
         if self.where in ("share", "both"):
             for name in ("_share_fd_cpu_", "_share_filename_cpu_"):
                 original = getattr(storage_cls, name)

@@ -29,11 +29,11 @@ from ..state.seeds import (
     restore_rngs,
     seed_global_rngs,
 )
+from . import transport as _transport
 from .protocol import (
     Status,
     StreamResume,
 )
-from .transport import channel as _transport
 
 # The messages and statuses are in _protocol; these names stay importable from here.
 OK, ERROR, END = Status.OK, Status.ERROR, Status.END

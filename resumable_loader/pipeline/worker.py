@@ -35,6 +35,7 @@ from ..state.seeds import (
     seed_global_rngs,
     seeds_of,
 )
+from . import transport as _transport
 from .fetch import (
     END,
     ERROR,
@@ -58,7 +59,6 @@ from .protocol import (
     WorkerError,
     result_to_wire,
 )
-from .transport import channel as _transport
 from .transport.memfd import use_anonymous_shared_memory
 from .transport.taskpipe import TaskReader
 

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.compat import python_random_instance
+
 SAMPLER = 1
 WORKER = 2
 TASK = 3
@@ -87,7 +89,7 @@ def seed_global_rngs(seed: int, *, keep_initial_seed: bool = True) -> None:
     ``worker_init_fn`` set, or the worker's own). The generator's state and the seed it reports
     are separate fields of that state, so both can hold.
     """
-    inst: Any = random._inst
+    inst: Any = python_random_instance()
     # What random.seed(seed) does for an int, without its checks for str and bytes seeds.
     _py_seed(inst, seed)
     inst.gauss_next = None
@@ -340,7 +342,7 @@ class FetchRngs:
             self._gauss_at = id(rand) + gauss_off
 
     def __enter__(self) -> FetchRngs:
-        inst: Any = random._inst
+        inst: Any = python_random_instance()
         rand: Any = np.random.mtrand._rand
         bg = rand._bit_generator
         if inst is not self._inst or rand is not self._np_rand or bg is not self._np_bg:

@@ -40,7 +40,9 @@ from _datasets import sharing_strategy
 from torch.utils.data import Dataset, IterableDataset, default_collate, get_worker_info
 
 from resumable_loader import DataLoader, RetryPolicy
-from resumable_loader.pipeline.transport import channel as _transport
+from resumable_loader.pipeline import transport as _transport
+from resumable_loader.pipeline.transport import policy as shm_policy
+from resumable_loader.pipeline.transport import pools, reducers
 from resumable_loader.testing import (
     ShmFailure,
     canonical,
@@ -206,7 +208,7 @@ def shm_manager() -> None:
 @pytest.fixture
 def fresh_shm_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     """The full-/dev/shm warning is shown once per process: let this test see it again."""
-    monkeypatch.setattr(_transport, "_shm_warned", False)
+    monkeypatch.setattr(shm_policy, "_shm_warned", False)
 
 
 def make_loader(kind: str, n_batches: int, **kw: Any) -> DataLoader:
@@ -295,14 +297,14 @@ def test_a_worker_backs_off_from_a_full_shm_and_returns_when_it_has_room(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     free = [10 << 30]
-    monkeypatch.setattr(_transport, "_shm_free", lambda: free[0])
+    monkeypatch.setattr(shm_policy, "_shm_free", lambda: free[0])
     policy = _transport.ShmPolicy()
     full = RuntimeError(
         "unable to allocate shared memory(shm) for file </torch_1>: No space left on device (28)"
     )
 
     def batch(shared: int = 0, fallback: int = 0) -> None:
-        out = _transport._Outbox([], True, policy)
+        out = reducers.Outbox([], True, policy)
         out.shared_bytes, out.fallback_bytes = shared, fallback
         policy.sent(out)
 
@@ -788,11 +790,11 @@ MiB = 1 << 20
 @pytest.fixture
 def worker_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[_transport.ShmPolicy]:
     """This process plays a worker with a pool of 2 segments (restored afterwards)."""
-    monkeypatch.setattr(_transport, "_worker_pool", None)
+    monkeypatch.setattr(pools, "_worker_pool", None)
     policy = _transport.ShmPolicy(pool_segments=2)
     with sharing_strategy("file_descriptor"):
         yield policy
-    policy.pool = _transport._worker_pool = None  # its segments' fds close with it
+    policy.pool = pools._worker_pool = None  # its segments' fds close with it
 
 
 def test_a_pooled_segment_is_reused_only_once_the_batch_in_it_is_dropped(
@@ -862,7 +864,7 @@ def test_pooled_segments_are_unmapped_at_close_or_when_the_last_held_batch_goes(
             theirs.close()
             receiver.close()
         policy.pool = None  # (the worker's side: its process would exit)
-        _transport._worker_pool = None
+        pools._worker_pool = None
         mapped = shm_segments(me) - base
         assert len(mapped) == 1, f"{len(mapped)} segments still mapped, 1 expected"
         del keep

@@ -202,8 +202,6 @@ KNOWN_PRIVATE_READS = {
     "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._create_unique",
     "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._fsync_directory",
     "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._write_atomic",
-    "resumable_loader.testing:512: reads resumable_loader.pipeline.transport.channel._reserve",
-    "resumable_loader.testing:519: reads resumable_loader.pipeline.transport.channel._reserve",
 }
 
 

@@ -90,7 +90,7 @@ def test_a_batch_of_120_tensors_with_prefetch_8_works_under_ulimit_1024() -> Non
 CUT_SHORT = """
 import json, os, resource, socket
 import torch
-from resumable_loader import _transport
+from resumable_loader.pipeline import transport as _transport
 
 ours, theirs = socket.socketpair()
 receiver = _transport.Receiver(ours)

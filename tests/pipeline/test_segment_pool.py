@@ -1,4 +1,4 @@
-"""The loader's segment pool (issue #26, ``_transport.LoaderPool``).
+"""The loader's segment pool (issue #26, ``transport.LoaderPool``).
 
 The main process makes the shared segments, at most ``num_workers x prefetch_factor + 1``, and
 lends one to each task it sends (a grant); the worker collates into it only if the caller no
@@ -24,7 +24,8 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from resumable_loader import DataLoader
-from resumable_loader.pipeline.transport import channel as _transport
+from resumable_loader.pipeline import transport as _transport
+from resumable_loader.pipeline.transport import framing, pools
 from resumable_loader.testing import canonical, reference_stream, worker_pids
 
 FLOATS = 32 * 1024  # 128 KiB a sample
@@ -155,7 +156,7 @@ class KillInGrantedSegment:
 
     def __call__(self, items: list[torch.Tensor]) -> torch.Tensor:
         batch = default_collate(items)
-        pool = _transport._worker_pool
+        pool = pools._worker_pool
         granted = pool is not None and pool.granted and pool.where(batch.untyped_storage()) >= 0
         if granted and int(batch[0, 1]) >= self.after * BATCH and not os.path.exists(self.marker):
             open(self.marker, "w").close()
@@ -199,11 +200,11 @@ def die_while_sending_a_granted_batch(worker_id: int) -> None:
     marker = os.environ["POOL_TEST_MARKER"]
     if worker_id != 0 or os.path.exists(marker):
         return
-    send_frame = _transport._send_frame
+    send_frame = framing._send_frame
     seen = [0]
 
     def dying_send_frame(sock: Any, payload: Any, body_len: int, fds: Any, *tag: Any) -> None:
-        pool = _transport._worker_pool
+        pool = pools._worker_pool
         seg = pool.target if pool is not None and pool.granted else None
         if seg is not None and seg.size and seg.lent:
             seen[0] += 1
@@ -212,7 +213,7 @@ def die_while_sending_a_granted_batch(worker_id: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         send_frame(sock, payload, body_len, fds, *tag)
 
-    _transport._send_frame = dying_send_frame
+    framing._send_frame = dying_send_frame
 
 
 def test_a_worker_killed_after_lending_a_segment_gets_nothing_stuck(

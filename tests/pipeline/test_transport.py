@@ -1,4 +1,5 @@
-"""The transport (``_transport``): framed messages over a socket, read by ``Receiver``."""
+"""The result channel (``transport.framing``, ``transport.reducers``): framed messages over a
+socket, read by ``Receiver``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def _round_trip(obj: Any) -> Any:
     """``obj`` sent through our transport over a socket pair, and received."""
     import socket
 
-    from resumable_loader.pipeline.transport.channel import Receiver, send
+    from resumable_loader.pipeline.transport.framing import Receiver, send
 
     ours, theirs = socket.socketpair()
     recv = Receiver(ours)
@@ -28,7 +29,7 @@ def _round_trip(obj: Any) -> Any:
 def test_receiver_returns_messages_sent_just_before_the_sender_closed() -> None:
     import socket
 
-    from resumable_loader.pipeline.transport.channel import Receiver, send
+    from resumable_loader.pipeline.transport.framing import Receiver, send
 
     ours, theirs = socket.socketpair()
     recv = Receiver(ours)
@@ -49,7 +50,7 @@ def test_a_message_over_4_gib_is_framed_with_its_full_length() -> None:
     """Issue #25 item 6: a batch copied inline over 4 GiB (a non-tensor batch, or one that
     found /dev/shm full) must be framed -- not fail with a struct.error that the worker then
     reports as a pickling failure. Checked on the frame itself, without 4 GiB of memory."""
-    from resumable_loader.pipeline.transport import channel as _transport
+    from resumable_loader.pipeline.transport import framing
 
     class FakePayload:
         """Only its length is read until the socket takes it."""
@@ -66,9 +67,9 @@ def test_a_message_over_4_gib_is_framed_with_its_full_length() -> None:
             return len(buffers[0]) + len(buffers[1])  # as if the kernel took it all
 
     sock = FakeSocket()
-    _transport._send_frame(sock, FakePayload(), 2**32 + 3, [], (7, 2**40))  # type: ignore[arg-type]
+    framing._send_frame(sock, FakePayload(), 2**32 + 3, [], (7, 2**40))  # type: ignore[arg-type]
     # The receiver reads the header back with the same layout: every length intact.
-    assert _transport._HEADER.unpack_from(sock.header) == (2**32 + 17, 0, 2**32 + 3, 7, 2**40)
+    assert framing._HEADER.unpack_from(sock.header) == (2**32 + 17, 0, 2**32 + 3, 7, 2**40)
 
 
 def test_small_tensors_arrive_exact_with_their_views_still_sharing_memory() -> None:
@@ -139,8 +140,8 @@ def test_feed_without_drain_reads_once_per_message_and_loses_nothing(monkeypatch
     behind comes with the next call; ``drain=True`` still reads to the end."""
     import socket
 
-    from resumable_loader.pipeline.transport import channel as _transport
-    from resumable_loader.pipeline.transport.channel import Receiver, send
+    from resumable_loader.pipeline.transport import framing
+    from resumable_loader.pipeline.transport.framing import Receiver, send
 
     ours, theirs = socket.socketpair()
     recv = Receiver(ours)
@@ -161,7 +162,7 @@ def test_feed_without_drain_reads_once_per_message_and_loses_nothing(monkeypatch
             assert msg[:2] == ("batch", i) and torch.equal(msg[2], torch.tensor([i]))
         assert len(reads) == 3, "one read per message: no read that only finds nothing"
         # A message larger than one read: the rest arrives with the calls that follow.
-        big = bytes(range(256)) * (_transport._READ_CHUNK // 128)
+        big = bytes(range(256)) * (framing._READ_CHUNK // 128)
         send(theirs, ("big", big))
         send(theirs, ("after", 1))
         got = []
@@ -305,7 +306,7 @@ def test_the_transport_keeps_storages_apart_by_identity_not_address(n: int) -> N
     segment, which must not merge them either."""
     import numpy as np
 
-    from resumable_loader.pipeline.transport import channel as _transport
+    from resumable_loader.pipeline.transport import reducers
 
     a = np.arange(n, dtype=np.int64) * 7
     whole = torch.from_numpy(a)
@@ -317,7 +318,7 @@ def test_the_transport_keeps_storages_apart_by_identity_not_address(n: int) -> N
     if n == 40_000:
         # Five distinct storages over the same bytes or their start: more than one fd each.
         sent.update({f"cut{k}": torch.from_numpy(a[: n - k]) for k in range(1, 4)})
-        assert len(sent) - 1 > _transport.MAX_FDS_PER_MSG
+        assert len(sent) - 1 > reducers.MAX_FDS_PER_MSG
     want = {k: v.clone() for k, v in sent.items()}
     got = _round_trip(sent)
     for key, value in want.items():
@@ -352,7 +353,7 @@ def test_a_message_that_cannot_be_rebuilt_comes_back_as_undecodable_between_the_
     check after the test)."""
     import socket
 
-    from resumable_loader.pipeline.transport.channel import Receiver, Undecodable, send
+    from resumable_loader.pipeline.transport.framing import Receiver, Undecodable, send
 
     big = torch.arange(20_000, dtype=torch.int64)  # travels on an fd
     ours, theirs = socket.socketpair()
@@ -380,8 +381,8 @@ def test_a_read_that_fails_after_whole_messages_returns_them_first(monkeypatch) 
     in ``failure`` and raised by the next call."""
     import socket
 
-    from resumable_loader.pipeline.transport import channel as _transport
-    from resumable_loader.pipeline.transport.channel import Receiver, send
+    from resumable_loader.pipeline.transport import policy
+    from resumable_loader.pipeline.transport.framing import Receiver, send
 
     ours, theirs = socket.socketpair()
     recv = Receiver(ours)
@@ -392,14 +393,14 @@ def test_a_read_that_fails_after_whole_messages_returns_them_first(monkeypatch) 
         calls[0] += 1
         if calls[0] == 1:
             return real(self)
-        raise _transport.FdLimitError("cut short")
+        raise policy.FdLimitError("cut short")
 
     monkeypatch.setattr(Receiver, "_recv", then_fail)
     try:
         send(theirs, ("ready", 1))
         assert recv.feed() == [("ready", 1)]
-        assert isinstance(recv.failure, _transport.FdLimitError)
-        with pytest.raises(_transport.FdLimitError, match="cut short"):
+        assert isinstance(recv.failure, policy.FdLimitError)
+        with pytest.raises(policy.FdLimitError, match="cut short"):
             recv.feed()
         assert recv.failure is None
     finally:
@@ -520,9 +521,20 @@ class _BadBytesForOurRebuild:
     process fails inside the loader's code, as it did for issue #31's mixed-up storages."""
 
     def __reduce__(self) -> Any:
-        from resumable_loader.pipeline.transport import channel as _transport
+        from resumable_loader.pipeline.transport import reducers
 
-        return (_transport._rebuild_small_tensor, (bytearray(3), torch.int64, (1,)))
+        return (reducers._rebuild_small_tensor, (bytearray(3), torch.int64, (1,)))
+
+
+class _BadBytesForOurStateCodec:
+    """Reduced to a function of the package outside the transport (the state codec) that
+    refuses its bytes: a failure in any of the loader's modules is the loader's, not the
+    batch's."""
+
+    def __reduce__(self) -> Any:
+        from resumable_loader.state.codec import load_state
+
+        return (load_state, (b"not a state",))
 
 
 def _class_from_a_module_the_receiver_lacks() -> Any:
@@ -537,7 +549,9 @@ def _class_from_a_module_the_receiver_lacks() -> Any:
     return module.OnlyInWorkers()
 
 
-@pytest.mark.parametrize("case", ["batch's code", "missing class", "our rebuild"])
+@pytest.mark.parametrize(
+    "case", ["batch's code", "missing class", "our rebuild", "our other module"]
+)
 def test_an_undecodable_message_says_whose_failure_it_most_likely_is(case: str) -> None:
     """ "Our bug or the sample's; say which": read from where unpickling failed -- in code of
     the batch's own, in finding a class the main process lacks, or inside the loader's own
@@ -545,7 +559,7 @@ def test_an_undecodable_message_says_whose_failure_it_most_likely_is(case: str) 
     import socket
     import sys
 
-    from resumable_loader.pipeline.transport.channel import Receiver, Undecodable, send
+    from resumable_loader.pipeline.transport.framing import Receiver, Undecodable, send
 
     ours, theirs = socket.socketpair()
     recv = Receiver(ours)
@@ -555,8 +569,10 @@ def test_an_undecodable_message_says_whose_failure_it_most_likely_is(case: str) 
         elif case == "missing class":
             send(theirs, ("batch", _class_from_a_module_the_receiver_lacks()), tag=(0, 5))
             del sys.modules["_only_in_workers"]
-        else:
+        elif case == "our rebuild":
             send(theirs, ("batch", _BadBytesForOurRebuild()), tag=(0, 5))
+        else:
+            send(theirs, ("batch", _BadBytesForOurStateCodec()), tag=(0, 5))
         (lost,) = recv.feed()
     finally:
         sys.modules.pop("_only_in_workers", None)

@@ -69,7 +69,7 @@ from ..protocol import (
     WorkerError,
     result_from_wire,
 )
-from ..transport.channel import LoaderPool, Receiver, Undecodable
+from ..transport import LoaderPool, Receiver, Undecodable
 from ..transport.taskpipe import send_task
 from ..worker import WorkerSpec, worker_main
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ...core.compat import set_shared_allocator
+
 _NAME = "resumable_loader-batch"
 
 
@@ -81,5 +83,5 @@ def use_anonymous_shared_memory() -> bool:
         new_anonymous_shared(64)
     except (OSError, RuntimeError):
         return False
-    torch.UntypedStorage._new_using_fd_cpu = classmethod(_new_using_fd_cpu)  # type: ignore[method-assign,assignment]
+    set_shared_allocator(_new_using_fd_cpu)
     return True
