@@ -23,7 +23,7 @@ from _datasets import RandomAugDataset, RangeData, torch_error_type
 from _streams import Shard, StatefulShard
 
 from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
-from resumable_loader.pipeline.supervisor.supervisor import Died
+from resumable_loader.pipeline.supervisor.events import Died
 from resumable_loader.testing import (
     Fault,
     FaultyDataset,
@@ -596,10 +596,10 @@ class HangWhileUnpickledFirst(RangeData):
 
 # A regression found by the fuzzers in fuzz/.
 def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    import resumable_loader.pipeline.supervisor.supervisor as sup
+    import resumable_loader.pipeline.supervisor.clocks as clocks
 
     # A spawn boot takes one to two seconds here; six leaves room on a loaded machine.
-    monkeypatch.setattr(sup, "BOOT_TIMEOUT_S", 6.0)
+    monkeypatch.setattr(clocks, "BOOT_TIMEOUT_S", 6.0)
     with tempfile.TemporaryDirectory() as d:
         loader = DataLoader(
             HangWhileUnpickledFirst(d),
