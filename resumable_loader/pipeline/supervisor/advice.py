@@ -13,6 +13,10 @@ import os
 import sys
 import warnings
 
+# The package's own folder (resumable_loader/, three up from here): a warning is meant for the
+# user's line, past every frame of ours in whichever layer it is.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+
 
 def warn_unpicklable(method: str, error: BaseException) -> None:
     """Say, as torch does (its first words, which scripts match), that a worker could not be
@@ -29,10 +33,9 @@ def warn_unpicklable(method: str, error: BaseException) -> None:
 
 def _outside_the_package() -> int:
     """The ``stacklevel`` that points a warning at the first caller outside this package."""
-    here = os.path.dirname(os.path.abspath(__file__))
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-        here + os.sep
+        _PACKAGE_DIR
     ):
         frame, level = frame.f_back, level + 1
     return level
