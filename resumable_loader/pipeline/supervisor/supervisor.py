@@ -92,6 +92,10 @@ STORM_MIN_RESPAWNS = 20
 LOADER_POOL = True
 
 
+# ---- the supervisor ------------------------------------------------------------------------------
+# One object, because its poller, its fd table and its slots change together: every start,
+# death and shutdown touches all three, and check_invariants() states them as one. What needs
+# none of that state lives in the modules beside this one, or at the end of this one.
 class Supervisor:
     """Owns the worker processes of one loader (or of one epoch, without persistent workers).
 
@@ -157,10 +161,12 @@ class Supervisor:
         self._watch(fd, name, None)
 
     def unwatch_extra(self, fd: int) -> None:
+        """Stop waking poll() for an fd given to ``watch_extra`` (before its owner closes it)."""
         self._unwatch(fd)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def start_all(self) -> None:
+        """Start a process for every slot (the first start; ``respawn`` replaces one)."""
         for slot in self.slots:
             self._start(slot)
 
@@ -507,6 +513,7 @@ class Supervisor:
 
     # ---- checks and figures --------------------------------------------------------------
     def statistics(self) -> SupervisorStatistics:
+        """What this supervisor has done so far, and each slot's pid and state now."""
         return SupervisorStatistics(
             starts=self._starts,
             deaths=self._deaths,
