@@ -41,7 +41,9 @@ from ..pipeline.protocol import Delivery, Result, StreamResume
 from ..pipeline.recovery import SKIPPED, Recovery
 from ..pipeline.reorder import ReorderBuffer
 from ..pipeline.stats import Counters
-from ..pipeline.supervisor.supervisor import Arrived, DeathReport, Lost, Supervisor, WorkerSlot
+from ..pipeline.supervisor.events import Arrived, DeathReport, Lost
+from ..pipeline.supervisor.slots import WorkerSlot
+from ..pipeline.supervisor.supervisor import Supervisor
 from ..pipeline.tasks import MapTasks, StreamTasks
 from ..plans.index_plan import ITERABLE, STATEFUL, IndexPlan
 from ..state import schema as S

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .protocol import Delivery, Epoch, Result, StreamNote, StreamResume, TaskMsg
-from .supervisor.supervisor import Supervisor, WorkerSlot
+from .supervisor.slots import WorkerSlot
+from .supervisor.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from ..state.schema import ResumePoint

@@ -33,7 +33,9 @@ from ..core.errors import WorkerCrashError
 from .dispatch import Dispatcher, Task
 from .protocol import Delivery, Status, WorkerError
 from .stats import Counters
-from .supervisor.supervisor import DeathReport, Supervisor, WorkerSlot
+from .supervisor.events import DeathReport
+from .supervisor.slots import WorkerSlot
+from .supervisor.supervisor import Supervisor
 
 log = logging.getLogger("resumable_loader")
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .dispatch import Dispatcher, Task, TaskSource
     from .pin import PinStage
     from .reorder import ReorderBuffer
-    from .supervisor.supervisor import WorkerSlot
+    from .supervisor.slots import WorkerSlot
 
 _ADVANCES = (Status.OK, Status.ERROR)  # a fetch made (a batch or the user's error)
 _ENDS = (Status.END, Status.POISON, Status.SKIPPED)  # no fetch: the shard ends

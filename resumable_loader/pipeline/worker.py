@@ -6,12 +6,16 @@ supervisor throws away with it (a shared queue would stay locked by the dead wri
 
     main ──(Epoch | TaskMsg | Stop)──► task pipe ──► worker ──► result pipe ──(Result)──► main
 
-(the messages, typed, are in ``_protocol``).
+(the messages, typed, are in ``protocol``).
 
 Per task: seed python/numpy/torch from (epoch seed, task), fetch, collate, and send the
 result in one message together with the dataset's state for stateful streams ("state rides with
 the data"). Tasks waiting in the pipe are run lowest id first, so a task re-sent after a crash
 overtakes the prefetched ones queued behind it.
+
+The module reads top to bottom as a worker lives: its start (``WorkerSpec``, ``worker_main``:
+fds, signals, worker_init_fn, READY), the parent watch that ends it when the main process is
+gone (``_ParentWatch``), and the task loop (``_WorkerLoop``).
 """
 
 from __future__ import annotations
@@ -79,8 +83,7 @@ ORPHAN_GRACE_S = 0.5
 HANGUP_GRACE_S = 0.25
 
 
-# --------------------------------------------------------------------------------------------
-# The worker process.
+# ---- the worker's start --------------------------------------------------------------------------
 
 
 class WorkerSpec:
@@ -107,7 +110,8 @@ class WorkerSpec:
 
 
 def _set_worker_info(spec: WorkerSpec) -> None:
-
+    """Make torch's ``get_worker_info()`` answer here as in torch's own workers: datasets
+    shard and seed themselves by it."""
     torch_worker._worker_info = torch_worker.WorkerInfo(
         id=spec.worker_id, num_workers=spec.num_workers, seed=spec.worker_seed, dataset=spec.dataset
     )
@@ -136,7 +140,8 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     except Exception:
         pass
     torch.set_num_threads(1)
-    # Batches in shared memory with no name, so a kill leaves nothing in /dev/shm (_shm).
+    # Batches in shared memory with no name, so a kill leaves nothing in /dev/shm
+    # (transport.memfd).
     use_anonymous_shared_memory()
     parent = os.getppid()
     watch = _ParentWatch(spec.main_pid or parent, parent, task_conn.fileno())
@@ -178,6 +183,11 @@ def _run_worker(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int)
         pass  # the main process closed our pipes: shut down quietly
 
 
+# ---- leaving when the main process is gone -------------------------------------------------------
+# A worker must not outlive its main process (it would keep its memory, and one stuck in a
+# batch would never leave), yet must not die at an arbitrary instruction either (a name left in
+# /dev/shm that nothing may delete). So a thread watches for the death, and the worker is asked
+# to stop at a Python instruction boundary; SIGKILL is only the last resort.
 def _terminate_at_a_safe_point(signum: int, frame: Any) -> None:
     """SIGTERM: die of it, at a Python instruction boundary (where handlers run).
 
@@ -276,7 +286,9 @@ class _ParentWatch(threading.Thread):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# ---- the task loop -------------------------------------------------------------------------------
 def _send(sock: Any, msg: Any) -> bool:
+    """Send a message of ours; False when the main process is gone (the caller ends quietly)."""
     try:
         _transport.send(sock, msg)
         return True
@@ -285,6 +297,7 @@ def _send(sock: Any, msg: Any) -> bool:
 
 
 def _loop(spec: WorkerSpec, task_conn: Any, result_conn: Any, parent: int, where: str) -> None:
+    """Run the task loop until STOP, the pipe's end, or the main process's death."""
     _WorkerLoop(spec, task_conn, result_conn, parent, where).run()
 
 

@@ -15,7 +15,7 @@ def test_a_death_is_blamed_on_the_task_the_worker_was_running() -> None:
     from types import SimpleNamespace
 
     from resumable_loader.pipeline.dispatch import Dispatcher, Task
-    from resumable_loader.pipeline.supervisor.supervisor import WorkerSlot
+    from resumable_loader.pipeline.supervisor.slots import WorkerSlot
     from resumable_loader.pipeline.tasks import StreamTasks
 
     slot = WorkerSlot(1)

@@ -168,11 +168,10 @@ def test_pauses_are_taken_off_the_hang_clocks_and_nothing_else() -> None:
     # the part of the pause after its start; time spent in the user's code still counts.
     import threading
 
-    from resumable_loader.pipeline.supervisor import supervisor as _supervisor
+    from resumable_loader.pipeline.supervisor.hooks import Continued
+    from resumable_loader.pipeline.supervisor.supervisor import Supervisor
 
-    sup = _supervisor.Supervisor(
-        multiprocessing.get_context("fork"), None, 2, 1.0, threading.Lock()
-    )
+    sup = Supervisor(multiprocessing.get_context("fork"), None, 2, 1.0, threading.Lock())
     try:
         a, b = sup.slots
         sup._seen = 100.0
@@ -184,12 +183,12 @@ def test_pauses_are_taken_off_the_hang_clocks_and_nothing_else() -> None:
         sup._discount_pauses(130.4, asked=None)  # 20 s in the user's code: running time
         assert (a.busy_since, b.busy_since) == (108.5, 109.5)
         b.busy_since = 133.0  # a task sent inside the next pause
-        _supervisor._Continued.last = 135.4  # ... which ended with a SIGCONT at 135.4
+        Continued.last = 135.4  # ... which ended with a SIGCONT at 135.4
         sup._discount_pauses(136.4, asked=None)
         assert (a.busy_since, b.busy_since) == (113.5, 135.4)
         assert sup.paused_s == pytest.approx(9.5 + 5.0)
     finally:
-        _supervisor._Continued.last = -float("inf")
+        Continued.last = -float("inf")
         sup.shutdown()
 
 

@@ -14,13 +14,8 @@ from resumable_loader.pipeline.dispatch import Dispatcher, TaskSource
 from resumable_loader.pipeline.protocol import Epoch, Result, Status, TaskMsg, WorkerError
 from resumable_loader.pipeline.recovery import POISON, SKIPPED, Recovery, torch_words
 from resumable_loader.pipeline.stats import Counters
-from resumable_loader.pipeline.supervisor.supervisor import (
-    DEAD,
-    READY_STATE,
-    STARTING,
-    DeathReport,
-    WorkerSlot,
-)
+from resumable_loader.pipeline.supervisor.events import DeathReport
+from resumable_loader.pipeline.supervisor.slots import DEAD, READY_STATE, STARTING, WorkerSlot
 from resumable_loader.pipeline.tasks import MapTasks, StreamTasks
 
 END = Status.END

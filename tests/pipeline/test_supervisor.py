@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from _datasets import RandomAugDataset, RangeData, torch_error_type
 from _streams import Shard, StatefulShard
 
 from resumable_loader import DataLoader, RetryPolicy, WorkerCrashError
-from resumable_loader.pipeline.supervisor.supervisor import Died
+from resumable_loader.pipeline.supervisor.events import Died
 from resumable_loader.testing import (
     Fault,
     FaultyDataset,
@@ -231,6 +232,32 @@ def test_unpicklable_result_is_an_error_at_its_position(tmp_path) -> None:
     got += [canonical(b) for b in it]
     assert got == ref[:2] + ref[3:]
     assert loader.statistics().respawns == 0
+
+
+class HoldsALambda(torch.utils.data.Dataset):
+    """Cannot be pickled (a lambda), so a spawn worker for it cannot be started."""
+
+    def __init__(self) -> None:
+        self.transform = lambda x: x
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return self.transform(i)
+
+
+def test_the_warning_for_a_worker_that_cannot_be_started_points_at_the_callers_line() -> None:
+    # The warning walks out of the package's frames, whichever layer they are in (it once
+    # stopped at the supervisor's folder and pointed into the loader's own code).
+    loader = DataLoader(HoldsALambda(), num_workers=1, multiprocessing_context="spawn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+            line = sys._getframe().f_lineno + 1
+            iter(loader)
+    said = [w for w in caught if str(w.message).startswith("Got pickle error")]
+    assert [(w.filename, w.lineno) for w in said] == [(__file__, line)]
 
 
 def test_transient_errors_are_retried_with_identical_values(tmp_path) -> None:
@@ -596,10 +623,10 @@ class HangWhileUnpickledFirst(RangeData):
 
 # A regression found by the fuzzers in fuzz/.
 def test_worker_hung_while_booting_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    import resumable_loader.pipeline.supervisor.supervisor as sup
+    import resumable_loader.pipeline.supervisor.clocks as clocks
 
     # A spawn boot takes one to two seconds here; six leaves room on a loaded machine.
-    monkeypatch.setattr(sup, "BOOT_TIMEOUT_S", 6.0)
+    monkeypatch.setattr(clocks, "BOOT_TIMEOUT_S", 6.0)
     with tempfile.TemporaryDirectory() as d:
         loader = DataLoader(
             HangWhileUnpickledFirst(d),

@@ -19,7 +19,7 @@ from resumable_loader.pipeline.protocol import (
     TaskMsg,
 )
 from resumable_loader.pipeline.reorder import ReorderBuffer
-from resumable_loader.pipeline.supervisor.supervisor import DEAD, READY_STATE, WorkerSlot
+from resumable_loader.pipeline.supervisor.slots import DEAD, READY_STATE, WorkerSlot
 from resumable_loader.pipeline.tasks import MapTasks, ShardPosition, StreamTasks, encode_plain
 from resumable_loader.state.schema import ResumePoint, WorkerPosition
 
