@@ -446,6 +446,22 @@ def test_changed_sources_are_refused_naming_what_changed() -> None:
         (lambda sd: sd["weights"][0]["weights"].pop("web"), "no weight for ['web']"),
         (lambda sd: sd["weights"][0]["weights"].update(web=-1), "must be >= 0"),
         (lambda sd: sd.update(sources="web"), "'sources' is 'web'"),
+        # A rest's counts carry into the segment that starts the next epoch: there must be one.
+        (
+            lambda sd: sd.update(
+                version=2,
+                rests=[
+                    {
+                        "epoch": 0,
+                        "length": N,
+                        "order": {"kind": "random", "seed": 0},
+                        "from": 5,
+                        "weights": dict(WEIGHTS),
+                    }
+                ],
+            ),
+            "no weights segment starts the epoch after",
+        ),
     ],
 )
 def test_malformed_states_are_refused(change: Any, match: str) -> None:
