@@ -1,8 +1,8 @@
 """Plans: the arithmetic of a weighted mixture -- global position -> (source, item).
 
 Owns the pure part of ``Mixture`` (``plans/mixture.py``): functions of (seed, weights history,
-global position) and nothing else. No datasets, no epoch, no caches: the ``Mixture`` holds the
-plan built here and asks it where a position draws from. Three layers:
+global position) and nothing else. No datasets, no current epoch, no caches: the ``Mixture``
+holds the plan built here and asks it where a position draws from. Three layers:
 
 * **Weights** (``check_weights``). The weights are exact integers (a float weight is read as
   the decimal it prints as: 0.7 is 7/10); only their ratios matter (``same_ratios``).
