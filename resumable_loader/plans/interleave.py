@@ -5,7 +5,7 @@ global position) and nothing else. No datasets, no current epoch, no caches: the
 holds the plan built here and asks it where a position draws from. Three layers:
 
 * **Weights** (``check_weights``). The weights are exact integers (a float weight is read as
-  the decimal it prints as: 0.7 is 7/10); only their ratios matter (``same_ratios``).
+  the decimal it prints as: 0.7 is 7/10); only their ratios matter.
 * **Interleave** (which source: ``Segment``). The sources with a positive weight are the leaves
   of a balanced binary tree; each inner node splits its positions between its two halves like a
   Bresenham line: of the first ``m`` positions that reach a node whose left half weighs ``a``
@@ -53,7 +53,6 @@ __all__ = [
     "permute",
     "places_in_order",
     "rest_draw",
-    "same_ratios",
     "segment_after",
 ]
 
@@ -181,13 +180,6 @@ def check_weights(
     if not any(fracs):
         raise ValueError("at least one source must have a positive weight; all are 0")
     return plain, tuple(fracs)
-
-
-def same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
-    """Whether two weightings (exact, as ``check_weights`` returns) interleave alike."""
-    # Cross-multiplied by the other's sum: the ratios without a division.
-    sa, sb = sum(a), sum(b)
-    return all(x * sb == y * sa for x, y in zip(a, b))
 
 
 # ---- the interleave: which source ----------------------------------------------------------

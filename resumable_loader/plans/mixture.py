@@ -25,6 +25,7 @@ import json
 import operator
 import warnings
 from collections.abc import Iterator, Mapping
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,7 +45,6 @@ from .interleave import (
     segment_after,
 )
 from .interleave import check_weights as _check_weights
-from .interleave import same_ratios as _same_ratios
 from .samplers import check_order
 
 __all__ = ["Mixture"]
@@ -734,6 +734,11 @@ def _check_int(what: str, value: Any, low: int, high: int | None) -> int:
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{what} must be {bound}, not {v}")
     return v
+
+
+def _same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
+    sa, sb = sum(a), sum(b)
+    return all(x * sb == y * sa for x, y in zip(a, b))
 
 
 def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
