@@ -44,7 +44,7 @@ from .interleave import (
     rest_draw,
     segment_after,
 )
-from .interleave import check_weights as _check_weights
+from .interleave import check_weights as _check_weights  # the load path's name for it
 from .samplers import check_order
 
 __all__ = ["Mixture"]
