@@ -3,31 +3,18 @@
 A ``Mixture`` maps a *global position* ``g`` (``epoch * num_samples + position in the epoch``)
 to one (source, index) pair with arithmetic alone. No iterator, no per-epoch array: any sampler
 may visit the positions in any order, on any number of workers or ranks, and a resume is only
-a position. Two layers:
+a position. The arithmetic -- the stratified interleave by weight, a seeded permutation per
+pass of each source, the weights history and its rests -- is ``plans/interleave.py``; this
+module owns the dataset around it:
 
-* **Interleave** (which source). The weights are exact integers (a float weight is read as the
-  decimal it prints as: 0.7 is 7/10). The sources with a positive weight are the leaves of a
-  balanced binary tree; each inner node splits its positions between its two halves like a
-  Bresenham line: of the first ``m`` positions that reach a node whose left half weighs ``a``
-  of ``t``, ``(m * a + phase) // t`` go left. So the count of a source among the first ``m``
-  positions is a closed form (O(depth) to compute), position ``m`` is located in O(depth), and
-  over any window of ``n`` positions a source's count is within ``depth`` (= ceil(log2 of the
-  number of sources)) of ``n * weight``. The phases are drawn from the seed.
-* **Passes** (which index). The ``c``-th sample drawn from a source of length ``L`` is item
-  ``perm(c mod L)`` of pass ``c // L``, where ``perm`` is a seeded bijection of ``range(L)``
-  keyed by (seed, source name, pass): a 4-round Feistel network on the two digits of
-  ``c mod L`` in base ceil(sqrt(L)), cycle-walked back into range. O(1) memory, so a source
-  of 10^9 items costs nothing to start, and no item of a source repeats before the whole
-  source was seen.
+* ``Mixture``: construction and its checks, indexing (``__getitem__``, ``source_of``),
+  weights changes (``set_weights``), the state (``state_dict``, ``load_state_dict``);
+* the loader's side: the epoch a loader's workers serve (``follow_epoch``, ``hold_epoch``) and
+  loading a saved plan (``plan_changes``, ``load_plan``, ``RestAt``).
 
-Weights may change: the plan is a list of segments, each (first global position, weights).
-A source's count at the start of a segment is carried over from the segments before it, so
-its passes continue across a change: what was drawn stays drawn, nothing of the current pass
-repeats. A change at a resume inside a shuffled epoch is a *rest* (``_Rest``): keyed by the
-place in the epoch's sampler order, not by position, since the consumed positions are scattered
-but the consumed places are a prefix. The state (``state_dict``) is the segments, the rests,
-the seed and the sources' names, lengths and fingerprints: O(number of changes + number of
-sources), never O(samples).
+The state (``state_dict``) is the weights history's segments, the rests, the seed and the
+sources' names, lengths and fingerprints: O(number of changes + number of sources), never
+O(samples).
 """
 
 from __future__ import annotations
@@ -35,8 +22,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import math
-import numbers
 import operator
 import warnings
 from collections.abc import Iterator, Mapping
@@ -49,7 +34,18 @@ from torch.utils.data import Dataset
 from ..core.errors import CheckpointError
 from ..state import fingerprint as F
 from ..state.codec import clip_repr
-from .samplers import check_order, order_of
+from .interleave import (
+    Rest,
+    Segment,
+    build_plan,
+    pass_keys,
+    permute,
+    places_in_order,
+    rest_draw,
+    segment_after,
+)
+from .interleave import check_weights as _check_weights  # the load path's name for it
+from .samplers import check_order
 
 __all__ = ["Mixture"]
 
@@ -63,220 +59,14 @@ _READS = (1, 2)
 _STATE_KEYS = ("kind", "version", "seed", "num_samples", "epoch", "sources", "weights")
 _REST_KEYS = {"epoch", "length", "order", "from", "weights"}
 
-_M30 = (1 << 30) - 1
-# Odd 30-bit multipliers for the round hash (any odd constants with mixed bits would do; these
-# are fixed forever: they decide every pass's order, so changing them is a new state version).
-_C1 = 0x2C1B3C6D
-_C2 = 0x297A2D39
-# Luby-Rackoff: four rounds of a Feistel network with a pseudorandom round function make a
-# pseudorandom permutation; fewer leave visible structure in small domains.
-_ROUNDS = 4
 # Round keys of recently used (source, pass) pairs. A loader touches one or two passes of each
 # source at a time; the bound only keeps a long, many-source run from growing the dict.
 _KEY_CACHE_SIZE = 4096
 
 
-def _derive(*parts: object) -> bytes:
-    """32 bytes determined by ``parts`` alone (never by the process's RNGs or hash seed)."""
-    text = json.dumps(parts, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.blake2b(text.encode(), digest_size=32, person=b"rl.mixture").digest()
-
-
-def _permute(x: int, n: int, keys: tuple[int, ...]) -> int:
-    """Item ``x`` of a bijection of ``range(n)`` chosen by four 30-bit ``keys`` (``0 <= x < n``).
-
-    A Feistel network over the two digits (hi, lo) of ``x`` in base ``a = ceil(sqrt(n))``:
-    each round adds a keyed hash of one digit to the other, mod ``a`` (undone by subtracting),
-    so it permutes ``range(a * a)``. Walking along the cycle of ``x`` until the value falls
-    back below ``n`` restricts it to ``range(n)``; as ``a * a < n + 2 * sqrt(n) + 1``, the walk
-    almost always takes one step (a power-of-two domain would take up to four). The hash is
-    a 30-bit multiply-xorshift, unrolled: CPython's arithmetic on ints below 2**30 is its
-    fast path, and this function is most of a sample's cost.
-    """
-    if n <= 1:
-        return 0
-    a = math.isqrt(n - 1) + 1
-    k0, k1, k2, k3 = keys
-    while True:
-        hi, lo = divmod(x, a)
-        z = lo ^ k0
-        z = ((z ^ (z >> 15)) * _C1) & _M30
-        z = ((z ^ (z >> 12)) * _C2) & _M30
-        hi = (hi + (z ^ (z >> 15))) % a
-        z = hi ^ k1
-        z = ((z ^ (z >> 15)) * _C1) & _M30
-        z = ((z ^ (z >> 12)) * _C2) & _M30
-        lo = (lo + (z ^ (z >> 15))) % a
-        z = lo ^ k2
-        z = ((z ^ (z >> 15)) * _C1) & _M30
-        z = ((z ^ (z >> 12)) * _C2) & _M30
-        hi = (hi + (z ^ (z >> 15))) % a
-        z = hi ^ k3
-        z = ((z ^ (z >> 15)) * _C1) & _M30
-        z = ((z ^ (z >> 12)) * _C2) & _M30
-        lo = (lo + (z ^ (z >> 15))) % a
-        x = hi * a + lo
-        if x < n:
-            return x
-
-
-def _exact(weight: object, name: str) -> tuple[int | float, Fraction]:
-    """A weight as plain data (int or float) and as the exact fraction it stands for.
-
-    Raises:
-        TypeError: not a real number (a bool is not a weight either).
-        ValueError: negative, NaN or infinite.
-    """
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
-        raise TypeError(f"the weight of source {name!r} must be a number, not {weight!r}")
-    if isinstance(weight, numbers.Integral):
-        plain: int | float = int(weight)
-        frac = Fraction(plain)
-    else:
-        plain = float(weight)
-        if not math.isfinite(plain):
-            raise ValueError(f"the weight of source {name!r} must be finite, not {plain!r}")
-        # The decimal the float prints as (repr is the shortest round-trip form, the same on
-        # every platform): 0.7 means 7/10, so 0.7/0.3 interleaves exactly 7 to 3.
-        frac = Fraction(repr(plain))
-    if frac < 0:
-        raise ValueError(f"the weight of source {name!r} must be >= 0, not {plain!r}")
-    return plain, frac
-
-
-def _check_weights(
-    weights: object, names: tuple[str, ...]
-) -> tuple[dict[str, int | float], tuple[Fraction, ...]]:
-    """Validate a weights mapping against the source names (sorted)."""
-    if not isinstance(weights, Mapping):
-        raise TypeError(
-            f"weights must be a mapping from source name to weight, not {type(weights).__name__}"
-        )
-    missing = [n for n in names if n not in weights]
-    unknown = sorted(repr(k) for k in weights if k not in names)
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append(f"no weight for {missing}")
-        if unknown:
-            parts.append(f"weights for unknown sources [{', '.join(unknown)}]")
-        raise ValueError(
-            f"{' and '.join(parts)}: give one weight per source, for exactly {list(names)}"
-        )
-    plain: dict[str, int | float] = {}
-    fracs = []
-    for n in names:
-        plain[n], frac = _exact(weights[n], n)
-        fracs.append(frac)
-    if not any(fracs):
-        raise ValueError("at least one source must have a positive weight; all are 0")
-    return plain, tuple(fracs)
-
-
-class _Segment:
-    """The interleave from global position ``start`` on, under one set of weights.
-
-    ``base[k]``: how many samples of source ``k`` the segments before this one drew.
-    """
-
-    __slots__ = ("base", "nodes", "paths", "root", "start", "weights")
-
-    def __init__(
-        self,
-        start: int,
-        weights: dict[str, int | float],
-        fracs: tuple[Fraction, ...],
-        base: tuple[int, ...],
-        seed: int,
-    ) -> None:
-        self.start = start
-        self.weights = weights
-        self.base = base
-        denominator = math.lcm(*(f.denominator for f in fracs))
-        ints = [int(f * denominator) for f in fracs]
-        common = math.gcd(*ints)
-        ints = [w // common for w in ints]
-        # nodes[i] = (left weight, total weight, phase, left child, right child); a child >= 0
-        # is a node, a child < 0 is the leaf (source) -child - 1.
-        self.nodes: list[tuple[int, int, int, int, int]] = []
-        self.paths: list[list[tuple[int, bool]]] = [[] for _ in ints]
-        leaves = [k for k, w in enumerate(ints) if w > 0]
-        self.root = self._build(leaves, ints, seed, [])
-
-    def _build(self, leaves: list[int], ints: list[int], seed: int, path: list[Any]) -> int:
-        if len(leaves) == 1:
-            self.paths[leaves[0]] = list(path)
-            return -leaves[0] - 1
-        i = len(self.nodes)
-        self.nodes.append((0, 0, 0, 0, 0))  # placeholder: the children get later numbers
-        mid = len(leaves) // 2
-        a = sum(ints[k] for k in leaves[:mid])
-        t = a + sum(ints[k] for k in leaves[mid:])
-        phase = int.from_bytes(_derive(seed, "phase", self.start, i)[:16], "little") % t
-        lo = self._build(leaves[:mid], ints, seed, [*path, (i, True)])
-        hi = self._build(leaves[mid:], ints, seed, [*path, (i, False)])
-        self.nodes[i] = (a, t, phase, lo, hi)
-        return i
-
-    def locate(self, m: int) -> tuple[int, int]:
-        """The source of position ``start + m``, and how many of its samples this segment drew
-        before it."""
-        node = self.root
-        nodes = self.nodes
-        while node >= 0:
-            a, t, phase, lo, hi = nodes[node]
-            v = m * a + phase
-            before = v // t
-            if (v + a) // t > before:
-                m, node = before, lo
-            else:
-                m, node = m - before, hi
-        return -node - 1, m
-
-    def count(self, k: int, m: int) -> int:
-        """How many of the first ``m`` positions of this segment source ``k`` draws."""
-        path = self.paths[k]
-        if not path and self.root != -k - 1:
-            return 0  # weight 0 here
-        for node, left in path:
-            a, t, phase, _, _ = self.nodes[node]
-            before = (m * a + phase) // t
-            m = before if left else m - before
-        return m
-
-
-class _Rest:
-    """The rest of one epoch after a weights change at a resume under a shuffling sampler.
-
-    The sampler visits the epoch's positions in an order (``order``: its plain-data name, see
-    ``_samplers.order_of``); the samples at places ``start``, ``start + 1``, ... of that order
-    are drawn under ``seg`` (new weights), the ``m``-th of them at the segment's position
-    ``m``. Which positions were consumed before the change is thereby the order's prefix,
-    whatever positions it holds: the k-th sample delivered after the resume is the k-th of
-    the segment.
-    """
-
-    __slots__ = ("epoch", "order", "seg", "start")
-
-    def __init__(self, epoch: int, order: dict[str, Any], start: int, seg: _Segment) -> None:
-        self.epoch = epoch
-        self.order = order
-        self.start = start
-        self.seg = seg
-
-    def to_state(self, n: int) -> dict[str, Any]:
-        return {
-            "epoch": self.epoch,
-            "length": n,
-            "order": dict(self.order),
-            "from": self.start,
-            "weights": dict(self.seg.weights),
-        }
-
-
 class RestAt(NamedTuple):
     """Where new weights begin inside epoch ``epoch`` of a shuffling sampler: at place
-    ``start`` (``0 < start < len``) of the epoch's order ``order`` (see ``_Rest``)."""
+    ``start`` (``0 < start < len``) of the epoch's order ``order`` (see ``interleave.Rest``)."""
 
     epoch: int
     start: int
@@ -300,6 +90,35 @@ def hold_epoch(dataset: Any, epoch: int) -> None:
     from here on, ``set_weights`` refuses positions before the next epoch (see ``Mixture``)."""
     if isinstance(dataset, Mixture):
         dataset._floor = max(dataset._floor, (epoch + 1) * dataset._num_samples)
+
+
+def _check_sources(sources: object) -> tuple[tuple[str, ...], tuple[Any, ...], tuple[int, ...]]:
+    """A ``Mixture``'s sources, checked: their names (sorted), datasets and lengths.
+
+    Raises:
+        TypeError: a name that is not a string, or a source without ``__len__``.
+        ValueError: no sources, or an empty one.
+    """
+    if not isinstance(sources, Mapping) or not sources:
+        raise ValueError("sources must be a non-empty mapping from name to dataset")
+    for name in sources:
+        if not isinstance(name, str):
+            raise TypeError(f"source names must be strings, not {name!r}")
+    names = tuple(sorted(sources))
+    datasets = tuple(sources[n] for n in names)
+    lengths = []
+    for n, ds in zip(names, datasets):
+        try:
+            length = len(ds)
+        except TypeError:
+            raise TypeError(
+                f"source {n!r} ({type(ds).__name__}) has no len(): a Mixture draws from "
+                "map-style datasets"
+            ) from None
+        if length < 1:
+            raise ValueError(f"source {n!r} is empty")
+        lengths.append(length)
+    return names, datasets, tuple(lengths)
 
 
 class Mixture(Dataset[Any]):
@@ -352,26 +171,7 @@ class Mixture(Dataset[Any]):
         seed: int = 0,
         num_samples: int | None = None,
     ) -> None:
-        if not isinstance(sources, Mapping) or not sources:
-            raise ValueError("sources must be a non-empty mapping from name to dataset")
-        for name in sources:
-            if not isinstance(name, str):
-                raise TypeError(f"source names must be strings, not {name!r}")
-        self._names = tuple(sorted(sources))
-        self._sources = tuple(sources[n] for n in self._names)
-        lengths = []
-        for n, ds in zip(self._names, self._sources):
-            try:
-                length = len(ds)
-            except TypeError:
-                raise TypeError(
-                    f"source {n!r} ({type(ds).__name__}) has no len(): a Mixture draws from "
-                    "map-style datasets"
-                ) from None
-            if length < 1:
-                raise ValueError(f"source {n!r} is empty")
-            lengths.append(length)
-        self._lengths = tuple(lengths)
+        self._names, self._sources, self._lengths = _check_sources(sources)
         self._fingerprints = tuple(
             F.fingerprint_of(ds, f"source {n!r}") for n, ds in zip(self._names, self._sources)
         )
@@ -381,11 +181,11 @@ class Mixture(Dataset[Any]):
         self._num_samples = _check_int("num_samples", num_samples, 1, None)
         self._epoch = 0
         plain, fracs = _check_weights(weights, self._names)
-        self._segments = [_Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
+        self._segments = [Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
         self._starts = [0]
         self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
-        # epoch -> its rests, by start (see ``_Rest``); empty in a plan never changed mid-epoch.
-        self._rests: dict[int, list[_Rest]] = {}
+        # epoch -> its rests, by start (see ``Rest``); empty in a plan never changed mid-epoch.
+        self._rests: dict[int, list[Rest]] = {}
         # The place of each position in the order of the epoch whose rests were last used:
         # (epoch, array). Built on first use in that epoch, O(len) memory; never pickled.
         self._inverse: tuple[int, np.ndarray] | None = None
@@ -445,8 +245,7 @@ class Mixture(Dataset[Any]):
         """
         position = _check_int("position", position, 0, None)
         seg = self._segments[bisect.bisect_right(self._starts, position) - 1]
-        m = position - seg.start
-        return {n: seg.base[k] + seg.count(k, m) for k, n in enumerate(self._names)}
+        return dict(zip(self._names, seg.totals(position - seg.start)))
 
     def set_epoch(self, epoch: int) -> None:
         """Make ``mixture[i]`` mean position ``i`` of epoch ``epoch``.
@@ -533,7 +332,10 @@ class Mixture(Dataset[Any]):
         if _same_ratios(fracs, _check_weights(last.weights, self._names)[1]):
             return
         segments = self._segments[:-1] if from_position == last.start else self._segments
-        self._segments = [*segments, self._segment_after(segments, from_position, plain, fracs)]
+        self._segments = [
+            *segments,
+            segment_after(segments, from_position, plain, fracs, self._seed),
+        ]
         self._starts = [s.start for s in self._segments]
 
     def fingerprint(self) -> str:
@@ -700,48 +502,15 @@ class Mixture(Dataset[Any]):
 
     def _build(
         self, specs: list[Any], rest_specs: list[Any], seed: int
-    ) -> tuple[list[_Segment], dict[int, list[_Rest]]]:
-        """The segments of ``specs`` (``(start, weights, fractions)``) and the rests of
-        ``rest_specs`` (``(epoch, order, start, weights, fractions)``, in order), each with the
-        counts carried over from what comes before it. An epoch's rests draw after the whole
-        epoch's draws under the segments (``_Rest``), and the next epoch's segment after them.
+    ) -> tuple[list[Segment], dict[int, list[Rest]]]:
+        """The plan of ``specs`` and ``rest_specs`` in this mixture's epochs (``build_plan``).
 
         Raises:
             CheckpointError: an epoch's rests without a segment that starts the next epoch.
         """
-        n = self._num_samples
-        groups: dict[int, list[Any]] = {}
-        for r in rest_specs:
-            groups.setdefault(r[0], []).append(r)
-        anchors = {(e + 1) * n: e for e in groups}
-        built: list[_Segment] = []
-        rests: dict[int, list[_Rest]] = {}
-        for start, plain, fracs in specs:
-            e = anchors.pop(start, None)
-            if e is None or not built:
-                built.append(self._segment_after(built, start, plain, fracs, seed))
-                continue
-            prev = built[-1]
-            base = tuple(
-                prev.base[k] + prev.count(k, start - prev.start) for k in range(len(self._names))
-            )
-            made = []
-            group = groups[e]
-            for i, (_, order, at, rplain, rfracs) in enumerate(group):
-                seg = _Segment(e * n + at, rplain, rfracs, base, seed)
-                stop = group[i + 1][2] if i + 1 < len(group) else n
-                base = tuple(b + seg.count(k, stop - at) for k, b in enumerate(base))
-                made.append(_Rest(e, order, at, seg))
-            rests[e] = made
-            built.append(_Segment(start, plain, fracs, base, seed))
-        if anchors:
-            raise CheckpointError(
-                "bad Mixture state: the weights changed inside epoch(s) "
-                f"{sorted(anchors.values())} but no weights segment starts the epoch after"
-            )
-        return built, rests
+        return build_plan(specs, rest_specs, seed, self._num_samples)
 
-    def _commit(self, built: list[_Segment], rests: dict[int, list[_Rest]]) -> None:
+    def _commit(self, built: list[Segment], rests: dict[int, list[Rest]]) -> None:
         self._segments = built
         self._starts = [s.start for s in built]
         self._rests = rests
@@ -898,24 +667,6 @@ class Mixture(Dataset[Any]):
         return changes
 
     # ---- internals ---------------------------------------------------------------------------
-    def _segment_after(
-        self,
-        earlier: list[_Segment],
-        start: int,
-        plain: dict[str, int | float],
-        fracs: tuple[Fraction, ...],
-        seed: int | None = None,
-    ) -> _Segment:
-        """A segment from ``start`` on, its counts carried over from ``earlier`` (O(#segments)
-        work, once per change)."""
-        if earlier:
-            prev = earlier[-1]
-            m = start - prev.start
-            base = tuple(prev.base[k] + prev.count(k, m) for k in range(len(self._names)))
-        else:
-            base = (0,) * len(self._names)
-        return _Segment(start, plain, fracs, base, self._seed if seed is None else seed)
-
     def _global(self, index: int) -> int:
         i = operator.index(index)
         if i < 0:
@@ -928,6 +679,8 @@ class Mixture(Dataset[Any]):
 
     def _locate(self, g: int) -> tuple[int, int]:
         """(source, item) of global position ``g``."""
+        # The segment lookup is written out here, not an interleave helper: one call less on
+        # every sample's path (one segment, the common case, skips the bisect too).
         found = self._in_rest(g) if self._rests else None
         if found is not None:
             k, drawn = found
@@ -945,36 +698,18 @@ class Mixture(Dataset[Any]):
         if keys is None:
             if len(self._keys) >= _KEY_CACHE_SIZE:
                 self._keys.clear()
-            raw = _derive(self._seed, "pass", self._names[k], npass)
-            keys = tuple(
-                int.from_bytes(raw[4 * r : 4 * r + 4], "little") & _M30 for r in range(_ROUNDS)
-            )
-            self._keys[(k, npass)] = keys
-        return k, _permute(offset, length, keys)
+            keys = self._keys[(k, npass)] = pass_keys(self._seed, self._names[k], npass)
+        return k, permute(offset, length, keys)
 
     def _in_rest(self, g: int) -> tuple[int, int] | None:
-        """(source, its sample count) of ``g`` if it falls in a rest (``_Rest``), else None."""
-        n = self._num_samples
-        epoch, p = divmod(g, n)
+        """(source, its sample count) of ``g`` if it falls in a rest (``Rest``), else None."""
+        epoch, p = divmod(g, self._num_samples)
         group = self._rests.get(epoch)
         if group is None:
             return None
-        inverse = self._inverse
-        if inverse is None or inverse[0] != epoch:
-            order = order_of(group[0].order, n)
-            places = np.empty(n, dtype=np.int64)
-            places[order] = np.arange(n, dtype=np.int64)
-            self._inverse = inverse = (epoch, places)
-        d = int(inverse[1][p])
-        rest = None
-        for r in group:  # one per weights change in the epoch: a short list
-            if r.start > d:
-                break
-            rest = r
-        if rest is None:
-            return None
-        k, m = rest.seg.locate(d - rest.start)
-        return k, rest.seg.base[k] + m
+        if self._inverse is None or self._inverse[0] != epoch:
+            self._inverse = (epoch, places_in_order(group[0].order, self._num_samples))
+        return rest_draw(group, int(self._inverse[1][p]))
 
     def __repr__(self) -> str:
         sources = ", ".join(f"{n}({length})" for n, length in zip(self._names, self._lengths))

@@ -26,7 +26,7 @@ from torch.utils.data import DistributedSampler
 
 from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
 from resumable_loader.cli.main import main as cli_main
-from resumable_loader.plans.mixture import _permute
+from resumable_loader.plans.interleave import permute
 from resumable_loader.testing import check_resume, roundtrip_state
 
 FAST = settings(
@@ -165,9 +165,9 @@ def test_no_item_of_a_source_repeats_within_a_pass(
 @pytest.mark.parametrize("n", [*range(1, 70), 255, 256, 257, 1000])
 def test_each_pass_permutation_is_a_bijection(n: int) -> None:
     keys = (11, 22, 33, 2**30 - 1)
-    assert sorted(_permute(x, n, keys) for x in range(n)) == list(range(n))
+    assert sorted(permute(x, n, keys) for x in range(n)) == list(range(n))
     if n >= 8:
-        assert [_permute(x, n, keys) for x in range(n)] != list(range(n)), "not shuffled"
+        assert [permute(x, n, keys) for x in range(n)] != list(range(n)), "not shuffled"
 
 
 def test_passes_differ_and_seeds_differ() -> None:
@@ -446,6 +446,22 @@ def test_changed_sources_are_refused_naming_what_changed() -> None:
         (lambda sd: sd["weights"][0]["weights"].pop("web"), "no weight for ['web']"),
         (lambda sd: sd["weights"][0]["weights"].update(web=-1), "must be >= 0"),
         (lambda sd: sd.update(sources="web"), "'sources' is 'web'"),
+        # A rest's counts carry into the segment that starts the next epoch: there must be one.
+        (
+            lambda sd: sd.update(
+                version=2,
+                rests=[
+                    {
+                        "epoch": 0,
+                        "length": N,
+                        "order": {"kind": "random", "seed": 0},
+                        "from": 5,
+                        "weights": dict(WEIGHTS),
+                    }
+                ],
+            ),
+            "no weights segment starts the epoch after",
+        ),
     ],
 )
 def test_malformed_states_are_refused(change: Any, match: str) -> None:
