@@ -13,7 +13,7 @@ import signal
 from typing import NamedTuple
 
 from ..protocol import Result, WorkerError
-from ..transport.channel import Undecodable
+from ..transport import Undecodable
 from .slots import WorkerSlot
 
 

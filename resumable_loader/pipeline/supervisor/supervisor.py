@@ -16,7 +16,7 @@ the others miss (a grandchild holding the sentinel open). A timeout alone never 
 worker dead: only ``task_timeout`` does, and then the worker is killed first, so "dead" is
 always a fact. ``task_timeout`` counts the job's running time, not a pause of this process nor
 a worker's wait for a CPU (``clocks``).
-The shared segments batches travel in are the supervisor's (``transport.channel.LoaderPool``):
+The shared segments batches travel in are the supervisor's (``transport.pools.LoaderPool``):
 each TASK sent carries a grant, each segment's fd goes to a worker process once, over its
 result socket, before the first task that grants it; a grant ends with the task's result, a
 result of a later generation, or the worker's death (``mark_dead``).
@@ -87,7 +87,7 @@ KILL_JOIN_S = 5.0
 # looping. Deaths between results are left to the per-task poison limit.
 STORM_MIN_RESPAWNS = 20
 
-# The loader's segment pool (issue #26; ``transport.channel.LoaderPool``): on unless a benchmark
+# The loader's segment pool (issue #26; ``transport.pools.LoaderPool``): on unless a benchmark
 # compares without it (then each worker keeps a pool of its own).
 LOADER_POOL = True
 
