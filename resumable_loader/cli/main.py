@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.errors import CheckpointError
-from ..state.checkpoint import _create_unique, _fsync_directory, _write_atomic
+from ..state.checkpoint import create_unique, fsync_directory, write_atomic
 from ..state.codec import MAGIC, clip_repr, clip_text, dump_state, encoded_size, load_state
 from ..state.ranks import GLOBAL_FORMAT, is_global, split_global
 from ..state.schema import FORMAT, K_CONSUMED, K_DATASET, K_PLAN, KNOWN_KEYS
@@ -258,7 +258,7 @@ def _skip(args: argparse.Namespace) -> int:
             obj = new
         payload = dump_state(obj) if from_dump else obj
     try:
-        _write_atomic(payload, out, replaced)
+        write_atomic(payload, out, replaced)
     except OSError as exc:
         raise CliError(f"cannot write {out}: {exc.strerror or exc}") from exc
     print(f"skipped {args.samples} samples of the loader state in {args.path}{where}; wrote {out}")
@@ -418,7 +418,7 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
     names = sorted(os.listdir(path))
     if changed and DCP_SKIP_FILE in names:
         raise CliError(f"{path} already holds {DCP_SKIP_FILE}: skip from the original checkpoint")
-    fd, tmp_file = _create_unique(parent, name)  # reserves a unique name for the directory
+    fd, tmp_file = create_unique(parent, name)  # reserves a unique name for the directory
     os.close(fd)
     tmp = tmp_file[: -len(".tmp")] + ".dir.tmp"
     os.unlink(tmp_file)
@@ -450,7 +450,7 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
                 pickle.dump(meta, f_out)
             f_out.flush()
             os.fsync(f_out.fileno())
-        _fsync_directory(tmp)
+        fsync_directory(tmp)
         if os.path.lexists(out):
             raise CliError(f"{out} appeared while the result was written; not replaced")
         os.rename(tmp, out)
@@ -465,7 +465,7 @@ def _write_dcp_copy(path: str, out: str, changed: dict[str, Any]) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_directory(parent)
+    fsync_directory(parent)
 
 
 def _write_changed(tmp: str, meta: Any, changed: dict[str, Any], made: list[str]) -> None:

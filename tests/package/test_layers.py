@@ -199,9 +199,6 @@ def _private_reads(name: str, path: Path) -> list[str]:
 
 # Left to fix while issue #32 is under way (each entry goes when its module is split).
 KNOWN_PRIVATE_READS = {
-    "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._create_unique",
-    "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._fsync_directory",
-    "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._write_atomic",
     "resumable_loader.testing:512: reads resumable_loader.pipeline.transport.channel._reserve",
     "resumable_loader.testing:519: reads resumable_loader.pipeline.transport.channel._reserve",
 }
