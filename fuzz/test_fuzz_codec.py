@@ -26,9 +26,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resumable_loader.cli.main import KNOWN_KEYS, _jsonable, format_summary
+from resumable_loader.cli.summary import format_summary, jsonable
 from resumable_loader.core.errors import CheckpointError
 from resumable_loader.state.codec import INT_MAX, INT_MIN, MAGIC, _frame, dump_state, load_state
+from resumable_loader.state.schema import KNOWN_KEYS
 from resumable_loader.testing import same_state
 
 # --- plain data ---------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def test_inspect_never_fails_on_a_decoded_state(state: dict[Any, Any]) -> None:
     decoded = load_state(dump_state(state))
     text = format_summary(decoded, "fuzz")
     assert text.startswith("resumable_loader state: fuzz")
-    json.dumps(_jsonable(decoded))
+    json.dumps(jsonable(decoded))
 
 
 # --- the memory budget: dump_state and load_state agree on it -----------------------------------

@@ -17,6 +17,11 @@ If the write fails (an exception, a full disk), the temporary file is removed --
 recorded when we created it -- and the previous checkpoint is untouched. If the process is killed
 during the write, the temporary file stays (``.NAME.<random>.tmp`` beside the checkpoint; nothing
 deletes files by a name pattern) and the previous checkpoint is untouched.
+
+The steps are public to the package (not to users: ``__all__`` is ``save_checkpoint``) because
+``cli/skip`` takes them too: ``write_atomic`` replaces a checkpoint keeping its owner and mode,
+and a new DCP directory is reserved with ``create_unique`` and made durable with
+``fsync_directory``.
 """
 
 from __future__ import annotations
@@ -57,20 +62,25 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> None:
             pickle). In every case the temporary file has been removed and ``path`` is as it
             was.
     """
-    _write_atomic(obj, os.fspath(path), None)
+    write_atomic(obj, os.fspath(path), None)
 
 
-def _write_atomic(obj: Any, path: str, like: os.stat_result | None) -> None:
+def write_atomic(obj: Any, path: str, like: os.stat_result | None) -> None:
     """``save_checkpoint``'s write; with ``like`` (the stat of the file being replaced), the new
     file takes that file's owner, group and permission bits before it is renamed into place, so
     the replacement is the same file to everyone who could read (or not read) the old one.
+
+    Args:
+        obj: bytes-like, written as they are, or anything else, written with ``torch.save``.
+        path: the final file name; its directory must exist.
+        like: the stat of the file being replaced, or None for ``open()``'s permissions.
 
     Raises:
         PermissionError: ``like``'s owner or group cannot be given to the new file (only root
             may give a file away); nothing was replaced.
     """
     directory, name = os.path.split(os.path.abspath(path))
-    fd, tmp = _create_unique(directory, name)
+    fd, tmp = create_unique(directory, name)
     try:
         with os.fdopen(fd, "wb") as f:
             if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -92,7 +102,7 @@ def _write_atomic(obj: Any, path: str, like: os.stat_result | None) -> None:
         except FileNotFoundError:
             pass
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def _take_attributes(fd: int, like: os.stat_result, path: str) -> None:
@@ -112,8 +122,15 @@ def _take_attributes(fd: int, like: os.stat_result, path: str) -> None:
     os.fchmod(fd, stat.S_IMODE(like.st_mode))
 
 
-def _create_unique(directory: str, name: str) -> tuple[int, str]:
-    """A new file ``.NAME.<random>.tmp`` in ``directory``, opened for writing: (fd, path)."""
+def create_unique(directory: str, name: str) -> tuple[int, str]:
+    """A new file ``.NAME.<random>.tmp`` in ``directory``, opened for writing: (fd, path).
+
+    The caller owns the file under exactly that path, and removes it by that path on failure.
+
+    Raises:
+        FileExistsError: every random name tried was taken.
+        OSError: the directory does not admit a new file.
+    """
     for _ in range(_ATTEMPTS):
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(_TOKEN_BYTES)}.tmp")
         try:
@@ -129,7 +146,7 @@ def _create_unique(directory: str, name: str) -> tuple[int, str]:
     )
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Make a rename in ``directory`` durable. Filesystems that cannot fsync a directory say
     EINVAL; they give no stronger guarantee to ask for, so that is not an error."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

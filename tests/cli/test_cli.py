@@ -14,7 +14,8 @@ import pytest
 import torch
 from _datasets import loader_state
 
-from resumable_loader.cli.main import format_summary, main
+from resumable_loader.cli.main import main
+from resumable_loader.cli.summary import format_summary
 from resumable_loader.state.codec import dump_state
 
 REPO = Path(__file__).resolve().parents[2]

@@ -197,17 +197,8 @@ def _private_reads(name: str, path: Path) -> list[str]:
     return found
 
 
-# Left to fix while issue #32 is under way (each entry goes when its module is split).
-KNOWN_PRIVATE_READS = {
-    "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._create_unique",
-    "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._fsync_directory",
-    "resumable_loader.cli.main:36: imports resumable_loader.state.checkpoint._write_atomic",
-}
-
-
 def test_no_module_reads_another_modules_private_names() -> None:
     found = [r for name, path in MODULES.items() for r in _private_reads(name, path)]
-    found = [r for r in found if r not in KNOWN_PRIVATE_READS]
     assert not found, "\n".join(found)
 
 

@@ -26,7 +26,8 @@ from resumable_loader import (
     merge_rank_states,
     skip_samples,
 )
-from resumable_loader.cli.main import format_summary, main
+from resumable_loader.cli.main import main
+from resumable_loader.cli.summary import format_summary
 
 FAST = settings(
     max_examples=25,
