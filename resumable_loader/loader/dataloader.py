@@ -1,10 +1,15 @@
-"""The public ``DataLoader``: torch's arguments and checks, the state, and the wiring.
+"""The public ``DataLoader``: torch's arguments and behaviour, the state, and the wiring.
 
-``iter(loader)`` builds the epoch's iterator (``_iterators``) from an ``EpochSetup``; the
-pipeline it runs is drawn in the package docstring (``resumable_loader/__init__.py``).
-``state_dict()`` reads the latest iterator's ``Cursor`` (``_lifecycle``) and writes it with
-``_schema``; ``load_state_dict()`` validates a state and keeps the position for the next
-``iter()``. Under ``torch.distributed.checkpoint`` the state is the job's (``_distributed``).
+``iter(loader)`` builds the epoch's iterator (``loader.iterators``) from an ``EpochSetup``
+(what it settles first is ``loader.epochs``'s); the pipeline it runs is drawn in the package
+docstring (``resumable_loader/__init__.py``). ``state_dict()`` writes what the loader knows --
+the latest iterator's ``Cursor`` (``loader.lifecycle``) -- through ``loader.state_out``;
+under ``torch.distributed.checkpoint`` the state is the job's (``state.ranks``).
+
+``load_state_dict()`` is parse → plan → apply: ``_shape()`` describes this loader
+(``loader.shape``), ``plan_resume`` (``loader.resume``) validates the state against that
+description and returns a frozen plan or refuses, and ``_apply`` -- the one place a load
+changes the loader -- installs it; the position is continued at the next ``iter()``.
 
 ``state_dict()`` describes what the caller consumed -- never what was prefetched -- so a loader
 built the same way and given that state yields exactly the batches the uninterrupted run would
@@ -173,7 +178,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._resume: S.ResumePoint | None = None
         self._skipped_samples: list[list[int]] = []  # skip_samples() records, for the state
         self._active: Callable[[], BaseIter | None] = lambda: None
-        # The position of the latest iterator; it outlives the iterator (see _lifecycle).
+        # The position of the latest iterator; it outlives the iterator (loader.lifecycle).
         self._cursor: Cursor | None = None
         self._pool: Supervisor | None = None
         self._pool_finalizer: Any = None
@@ -185,7 +190,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._force_pin_fn: Callable[[Any], Any] | None = None  # tests: pin without a GPU
 
     def _own_samplers(self, sampler: Any, batch_sampler: Any) -> SeedChain | None:
-        """Hand out samplers that carry the loader's seed chain (``_samplers``), and return
+        """Hand out samplers that carry the loader's seed chain (``plans.samplers``), and return
         that chain; or the chain of one of ours the caller passed in; else None.
 
         Where torch made a ``RandomSampler`` itself (``shuffle=True``), ours replaces it and its
@@ -269,7 +274,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         return it
 
     def _epoch_setup(self, epoch: int) -> EpochSetup:
-        """What the epoch's iterator takes from this loader (see ``_iterators``)."""
+        """What the epoch's iterator takes from this loader (see ``loader.iterators``)."""
         self._pool_gen += 1
         pin = self._force_pin_fn
         if pin is None:
@@ -316,8 +321,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         return gen
 
     def _make_supervisor(self, epoch: int) -> Supervisor:
-        # The seed of the epoch the workers start in (persistent ones keep it: each epoch's
-        # own seed reaches them with its EPOCH message).
+        """The workers' supervisor (``loader.epochs.make_supervisor``) for this loader."""
         spec = dict(
             num_workers=self.num_workers,
             dataset=self.dataset,
@@ -326,6 +330,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             collate_fn=self.collate_fn,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
+            # The seed of the epoch the workers start in (persistent ones keep it: each
+            # epoch's own seed reaches them with its EPOCH message).
             base_seed=self._seed,
             init_fn=self.worker_init_fn,
             retry=self.retry,
