@@ -25,6 +25,7 @@ import json
 import operator
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -38,13 +39,13 @@ from .interleave import (
     Rest,
     Segment,
     build_plan,
+    check_weights,
     pass_keys,
     permute,
     places_in_order,
     rest_draw,
     segment_after,
 )
-from .interleave import check_weights as _check_weights  # the load path's name for it
 from .samplers import check_order
 
 __all__ = ["Mixture"]
@@ -180,7 +181,7 @@ class Mixture(Dataset[Any]):
             num_samples = sum(self._lengths)
         self._num_samples = _check_int("num_samples", num_samples, 1, None)
         self._epoch = 0
-        plain, fracs = _check_weights(weights, self._names)
+        plain, fracs = check_weights(weights, self._names)
         self._segments = [Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
         self._starts = [0]
         self._keys: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -312,7 +313,7 @@ class Mixture(Dataset[Any]):
                 inside an epoch a loader's workers already serve.
         """
         from_position = _check_int("from_position", from_position, 0, None)
-        plain, fracs = _check_weights(weights, self._names)
+        plain, fracs = check_weights(weights, self._names)
         last = self._segments[-1]
         if from_position < self._floor:
             raise ValueError(
@@ -329,7 +330,7 @@ class Mixture(Dataset[Any]):
                 "drawn under them keep their samples. Give a position >= "
                 f"{last.start} (the next unconsumed one)."
             )
-        if _same_ratios(fracs, _check_weights(last.weights, self._names)[1]):
+        if _same_ratios(fracs, check_weights(last.weights, self._names)[1]):
             return
         segments = self._segments[:-1] if from_position == last.start else self._segments
         self._segments = [
@@ -415,20 +416,37 @@ class Mixture(Dataset[Any]):
         *,
         check_num_samples: bool,
     ) -> tuple[list[str], bool]:
-        """``load_state_dict``'s work; returns what changed in the data (allowed when
-        ``changes_ok``, else refused), and whether new weights were applied. New weights (this
-        mixture's, when they are not the checkpoint's newest) apply from ``resume``: a global
-        position, a place in a shuffled epoch's order (``RestAt``), or -- a str -- nowhere:
-        the reason they cannot."""
+        """``load_state_dict``'s work: ``_plan_load``, its warning, ``_apply_load``. Returns
+        what changed in the data and whether new weights were applied."""
+        load = self._plan_load(state, resume, changes_ok, check_num_samples=check_num_samples)
+        if load.kept is not None:
+            warnings.warn(load.kept, UserWarning, stacklevel=2)
+        self._apply_load(load)
+        return list(load.changes), load.applied
+
+    def _plan_load(
+        self,
+        state: Any,
+        resume: int | RestAt | str | None,
+        changes_ok: bool,
+        *,
+        check_num_samples: bool,
+    ) -> PlanLoad:
+        """The pure half of a load: validate ``state`` and build the plan it gives this mixture,
+        changing nothing (``_apply_load`` installs it). What changed in the data is allowed when
+        ``changes_ok``, else refused. New weights (this mixture's, when they are not the
+        checkpoint's newest) apply from ``resume``: a global position, a place in a shuffled
+        epoch's order (``RestAt``), or -- a str -- nowhere: the reason they cannot."""
         seed, epoch, segments, changes, rests = self._parse_state(state, check_num_samples)
         if changes and not changes_ok:
             raise F.changed_error(changes, "Mixture")
         own = self._segments[-1]
-        own_fracs = _check_weights(own.weights, self._names)[1]
-        specs = [(start, *_check_weights(w, self._names)) for start, w in segments]
-        rest_specs = [(e, order, at, *_check_weights(w, self._names)) for e, order, at, w in rests]
+        own_fracs = check_weights(own.weights, self._names)[1]
+        specs = [(start, *check_weights(w, self._names)) for start, w in segments]
+        rest_specs = [(e, order, at, *check_weights(w, self._names)) for e, order, at, w in rests]
         theirs = specs[-1][1]
         applied = False
+        kept = None
         if not _same_ratios(own_fracs, specs[-1][2]):
             new = (own.weights, own_fracs)
             if isinstance(resume, str):
@@ -456,19 +474,21 @@ class Mixture(Dataset[Any]):
                 keep = specs[:-1] if resume == specs[-1][0] else specs
                 specs = [*keep, (resume, *new)]
             else:
-                warnings.warn(
+                kept = (
                     f"this Mixture was built with weights {own.weights}, the checkpoint has "
                     f"{theirs}: kept the checkpoint's. To change them at the resume, pass "
                     "load_state_dict(state, resume_at=<first unconsumed global position>) or "
-                    "call set_weights() after loading.",
-                    UserWarning,
-                    stacklevel=2,
+                    "call set_weights() after loading."
                 )
         built, built_rests = self._build(specs, rest_specs, seed)
-        self._seed, self._epoch = seed, epoch
-        self._commit(built, built_rests)
+        return PlanLoad(seed, epoch, built, built_rests, tuple(changes), applied, kept)
+
+    def _apply_load(self, load: PlanLoad) -> None:
+        """The other half: install a plan ``_plan_load`` built for this mixture. Assignments
+        only: it cannot fail, so a load that was not refused while planning completes."""
+        self._seed, self._epoch = load.seed, load.epoch
+        self._commit(load.segments, load.rests)
         self._floor = 0  # a loaded plan is the loader's to hold again at its next iter()
-        return changes, applied
 
     def _with_rest(
         self, specs: list[Any], rest_specs: list[Any], at: RestAt, new: tuple[Any, Any]
@@ -523,8 +543,8 @@ class Mixture(Dataset[Any]):
         if plan == self._adopted:
             return
         seed, _, segments, _, rests = self._parse_state(plan, check_num_samples=False)
-        specs = [(start, *_check_weights(w, self._names)) for start, w in segments]
-        rest_specs = [(e, order, at, *_check_weights(w, self._names)) for e, order, at, w in rests]
+        specs = [(start, *check_weights(w, self._names)) for start, w in segments]
+        rest_specs = [(e, order, at, *check_weights(w, self._names)) for e, order, at, w in rests]
         built, built_rests = self._build(specs, rest_specs, seed)
         self._seed = seed
         self._commit(built, built_rests)
@@ -576,7 +596,7 @@ class Mixture(Dataset[Any]):
                     "start at 0 and at increasing positions"
                 )
             try:
-                _check_weights(seg["weights"], self._names)
+                check_weights(seg["weights"], self._names)
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"bad Mixture state: weights[{j}]: {e}") from None
             segments.append((start, seg["weights"]))
@@ -614,7 +634,7 @@ class Mixture(Dataset[Any]):
             if rests and rests[-1][0] == e and rests[-1][1] != r["order"]:
                 raise CheckpointError(f"bad Mixture state: rests[{j}]: one epoch, two orders")
             try:
-                _check_weights(r["weights"], self._names)
+                check_weights(r["weights"], self._names)
             except (TypeError, ValueError) as exc:
                 raise CheckpointError(f"bad Mixture state: rests[{j}]: {exc}") from None
             rests.append((e, dict(r["order"]), at, r["weights"]))
@@ -741,6 +761,22 @@ def _same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
     return all(x * sb == y * sa for x, y in zip(a, b))
 
 
+@dataclass(frozen=True)
+class PlanLoad:
+    """A Mixture plan load, validated and built but not installed (``plan_load``): the seed,
+    epoch, segments and rests to install, the data changes found, whether new weights were
+    applied, and -- ``kept`` -- the warning that the checkpoint's weights were kept (only for
+    a load without a resume point)."""
+
+    seed: int
+    epoch: int
+    segments: list[Segment]
+    rests: dict[int, list[Rest]]
+    changes: tuple[str, ...]
+    applied: bool
+    kept: str | None
+
+
 def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
     """How ``dataset``'s sources differ from those of a saved ``plan`` (the loader's check;
     ``num_samples`` is left out: to the loader it is the dataset's length, checked as such).
@@ -751,9 +787,21 @@ def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
     return dataset._parse_state(plan, check_num_samples=False)[3]
 
 
-def load_plan(dataset: Mixture, plan: Any, *, resume: int | RestAt | str, changes_ok: bool) -> bool:
-    """``dataset.load_state_dict(plan, ...)`` for the loader, which checked the data already
-    (``plan_changes``) and warns of changes itself, once. New weights the mixture was built
-    with apply from ``resume``: a global position, a place in a shuffled epoch's order, or --
-    a str saying why -- nowhere (refused). Returns whether new weights were applied."""
-    return dataset._load(plan, resume, changes_ok, check_num_samples=False)[1]
+def plan_load(
+    dataset: Mixture, plan: Any, *, resume: int | RestAt | str, changes_ok: bool
+) -> PlanLoad:
+    """The pure half of ``dataset.load_state_dict(plan, ...)`` for the loader, which checked
+    the data already (``plan_changes``) and warns of changes itself, once: validates ``plan``
+    and builds what ``apply_plan_load`` installs, changing nothing. New weights the mixture
+    was built with apply from ``resume``: a global position, a place in a shuffled epoch's
+    order, or -- a str saying why -- nowhere (refused).
+
+    Raises:
+        CheckpointError: what the load refuses (the mixture is untouched).
+    """
+    return dataset._plan_load(plan, resume, changes_ok, check_num_samples=False)
+
+
+def apply_plan_load(dataset: Mixture, load: PlanLoad) -> None:
+    """Install a ``plan_load`` result in the mixture it was planned for; cannot fail."""
+    dataset._apply_load(load)

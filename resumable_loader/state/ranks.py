@@ -176,12 +176,20 @@ def sampler_epoch_now(rp: Any) -> int:
 
 
 # ---- re-cut for another world size ---------------------------------------------------------
-def recut(points: list[Any], plan: Any, batch: int | None, batch_drop: bool) -> Any:
+def recut(
+    points: list[Any],
+    plan: Any,
+    batch: int | None,
+    batch_drop: bool,
+    notes: list[str] | None = None,
+) -> Any:
     """This rank's resume point, from the positions of every rank of a job with another world
     size or batch size (``points[r]`` is rank r's validated ``ResumePoint``; its ``batch`` is
     the batch size its ``consumed`` counts in). The new level starts with nothing consumed,
     so this loader cuts it with its own batch size ``batch`` (None: no batching) and
     ``drop_last`` (``batch_drop``), which the warning's count of what is dropped needs.
+    ``notes``: where the warning goes instead of ``warnings.warn`` (a resume plan emits it
+    once the load is accepted).
 
     Raises:
         CheckpointError: what cannot be continued exactly (in_order=False positions, ranks in
@@ -253,6 +261,7 @@ def recut(points: list[Any], plan: Any, batch: int | None, batch_drop: bool) -> 
         world=sampler.num_replicas,
         drop_last=sampler.drop_last,
         batch=(batch, batch_drop),
+        notes=notes,
     )
     return ResumePoint(
         seed=None,
@@ -329,11 +338,12 @@ def _warn_uneven(
     world: int,
     drop_last: bool,
     batch: tuple[int | None, bool],
+    notes: list[str] | None = None,
 ) -> None:
-    """Warn when the re-cut of what the epoch's ``levels`` left, for ``world`` ranks, repeats
-    or drops samples (torch's rule for an epoch's end), with the epoch's whole account: what
-    earlier cuts trimmed, what incomplete last batches dropped, and what an uninterrupted run
-    would have left out."""
+    """Warn (or add to ``notes``) when the re-cut of what the epoch's ``levels`` left, for
+    ``world`` ranks, repeats or drops samples (torch's rule for an epoch's end), with the
+    epoch's whole account: what earlier cuts trimmed, what incomplete last batches dropped,
+    and what an uninterrupted run would have left out."""
     missed, repeated, left = epoch_account(total, levels, world, drop_last, batch)
     extra = left % world
     if not extra:
@@ -372,13 +382,15 @@ def _warn_uneven(
     first = levels[0][0] if levels else world
     u_missed, u_repeated, _ = epoch_account(total, [], first, drop_last, batch)
     unbroken = f"leaves out {u_missed}" + (f" and repeats {u_repeated}" if u_repeated else "")
-    warnings.warn(
+    message = (
         f"resuming on {world} ranks: {left} samples of the epoch are left, not a multiple of "
         f"{world}; {said}. In all, {account}; an uninterrupted run on {first} ranks (with "
-        f"this batch size) {unbroken}.",
-        RuntimeWarning,
-        stacklevel=4,
+        f"this batch size) {unbroken}."
     )
+    if notes is not None:
+        notes.append(message)
+        return
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 # ---- inside DCP -----------------------------------------------------------------------------

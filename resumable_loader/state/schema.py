@@ -186,7 +186,18 @@ class ResumePoint:
 
     ``stateful`` (a user sampler with ``state_dict()``) and ``iterable`` (a stream) say which
     groups of keys the state holds.
+
+    Built once and then only read on the resume path: ``parse_state`` makes it in one call,
+    the resume plan (``loader.resume``) and ``state_dict()`` (``loader.state_out``) derive new
+    ones with ``dataclasses.replace``, and the iterators only read the point they continue.
     """
+
+    # Not frozen, for the one place that still assembles a point field by field: a running
+    # epoch's position is written by the stages that know it -- the task source's ``export``
+    # adds a stateful sampler's draws or a stream's shards to the point its iterator made
+    # (``pipeline.tasks``, ``loader.iterators``) -- and ``state.ranks.settle`` fills in an old
+    # state's ``ended`` on a freshly parsed point. Freezing it means a TaskSource contract that
+    # returns fields instead; the pipeline's modules are another step's.
 
     seed: int | None
     epoch: int
@@ -399,56 +410,59 @@ def parse_state(
     changes = F.changes(saved, sd[K_CONFIG].get("dataset_len"), dataset, config["dataset_len"])
     if changes and not dataset_change_ok:
         raise F.changed_error(changes)
-    rp = ResumePoint(
-        seed=None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED),
-        epoch=_int(sd, K_EPOCH),
-        chain=_chain(sd, str(config["sampler"]).startswith("distributed(")),
-        stateful=stateful_sampler,
-        iterable=config["dataset_kind"] == "iterable",
-        source=sd,
-        dataset=saved,
-        dataset_changes=changes,
-    )
-    rp.consumed = _int(sd, K_CONSUMED)
+    # Read field by field, in the order the checks name them, and built once: a ResumePoint
+    # is not changed after it is made on the resume path (see ``ResumePoint``).
+    seed = None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED)
+    fields: dict[str, Any] = {
+        "epoch": _int(sd, K_EPOCH),
+        "chain": _chain(sd, str(config["sampler"]).startswith("distributed(")),
+        "stateful": stateful_sampler,
+        "iterable": config["dataset_kind"] == "iterable",
+        "source": sd,
+        "dataset": saved,
+        "dataset_changes": changes,
+    }
+    consumed = fields["consumed"] = _int(sd, K_CONSUMED)
     required = (K_AHEAD, K_OUTSTANDING, K_SAMPLER_DONE) if stateful_sampler else (K_AHEAD,)
     for key in required:
         if key not in sd:
             raise _fail(key, "missing", "the state is damaged (a loader state always has it)")
     ahead = sd.get(K_AHEAD, [])
-    if not isinstance(ahead, list) or any(type(t) is not int or t <= rp.consumed for t in ahead):
+    if not isinstance(ahead, list) or any(type(t) is not int or t <= consumed for t in ahead):
         raise _fail(
             K_AHEAD,
-            f"expected ids > consumed ({rp.consumed}), got {clip_repr(ahead)}",
+            f"expected ids > consumed ({consumed}), got {clip_repr(ahead)}",
             "the state is damaged",
         )
-    rp.ahead = frozenset(ahead)
+    fields["ahead"] = frozenset(ahead)
     if stateful_sampler:
-        _read_sampler(sd, rp, config)
-    if rp.iterable:
-        _read_workers(sd, rp, max(1, config["num_workers"]))
+        fields |= _read_sampler(sd, config)
+    if fields["iterable"]:
+        fields |= _read_workers(sd, max(1, config["num_workers"]))
     if str(config["sampler"]).startswith("distributed("):
-        _read_distributed(sd, rp)
-    rp.skipped = _read_skipped(sd)
-    rp.skipped_samples = _read_skipped_samples(sd)
+        fields |= _read_distributed(sd)
+    fields["skipped"] = _read_skipped(sd)
+    fields["skipped_samples"] = _read_skipped_samples(sd)
     cut, problem = check_cut(sd.get(K_CUT), None)
     if problem is not None:
         raise _fail(K_CUT, f"{problem}, got {clip_repr(sd.get(K_CUT))}", "the state is damaged")
-    if cut is not None and rp.stateful:
+    if cut is not None and stateful_sampler:
         raise _fail(K_CUT, "a stateful sampler's state has no sample cut", "the state is damaged")
-    rp.cut = cut
-    rp.batch = sd[K_CONFIG].get("batch_size")
+    fields["cut"] = cut
+    fields["batch"] = sd[K_CONFIG].get("batch_size")
     if "batch_sampler" in sd[K_CONFIG]:
-        rp.batch_sampler = sd[K_CONFIG]["batch_sampler"] is not None
+        fields["batch_sampler"] = sd[K_CONFIG]["batch_sampler"] is not None
     plan = sd.get(K_PLAN)
     if plan is not None and not isinstance(plan, dict):
         raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
-    rp.plan = plan
+    fields["plan"] = plan
     rng = sd.get(K_SAMPLER_RNG)
     if rng is not None:
         problem = check_generator(rng)
         if problem is not None:
             raise _fail(K_SAMPLER_RNG, problem, "the state is damaged")
-        rp.sampler_rng = rng
+        fields["sampler_rng"] = rng
+    rp = ResumePoint(seed=seed, **fields)
     _check_begun(rp)
     return rp
 
@@ -557,8 +571,9 @@ def _field(keys: list[Any]) -> str:
     return clip_text(out, 200) or "the state"
 
 
-def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
-    """A DistributedSampler's part: its epoch and the history of world-size changes."""
+def _read_distributed(sd: dict[str, Any]) -> dict[str, Any]:
+    """A DistributedSampler's part: its epoch and the history of world-size changes (the
+    ``ResumePoint`` fields)."""
     d = sd.get(K_DIST)
     history = d.get("history") if isinstance(d, dict) else None
     ok = (
@@ -589,10 +604,12 @@ def _read_distributed(sd: dict[str, Any], rp: ResumePoint) -> None:
             "the state is damaged",
         )
     assert isinstance(d, dict) and isinstance(history, list)
-    rp.distributed = True
-    rp.sampler_epoch = d["sampler_epoch"]
-    rp.history = [[w, list(c)] for w, c in history]
-    rp.ended = d.get("ended")
+    return {
+        "distributed": True,
+        "sampler_epoch": d["sampler_epoch"],
+        "history": [[w, list(c)] for w, c in history],
+        "ended": d.get("ended"),
+    }
 
 
 def _check_header(sd: Any, config: dict[str, Any]) -> None:
@@ -702,25 +719,24 @@ def _read_dataset(sd: dict[str, Any]) -> dict[str, Any] | None:
     return {F.K_CLASS: rec[F.K_CLASS], F.K_FINGERPRINT: rec[F.K_FINGERPRINT]}
 
 
-def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -> None:
-    """A stateful user sampler's part: its state, what was drawn, what is outstanding."""
+def _read_sampler(sd: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """A stateful user sampler's part: its state, what was drawn, what is outstanding (the
+    ``ResumePoint`` fields)."""
     if K_SAMPLER_STATE not in sd:
         # Without it the sampler would start its epoch afresh, re-sending what was consumed.
         raise _fail(K_SAMPLER_STATE, "missing", _ALWAYS_THERE)
-    rp.sampler_state = sd[K_SAMPLER_STATE]
-    rp.drawn = _int(sd, K_DRAWN)
+    drawn = _int(sd, K_DRAWN)
     done = sd.get(K_SAMPLER_DONE, False)
     if type(done) is not bool:
         raise _fail(
             K_SAMPLER_DONE, f"expected a bool, got {clip_repr(done)}", "the state is damaged"
         )
-    rp.sampler_done = done
     out = sd.get(K_OUTSTANDING, [])
     if not isinstance(out, list) or not all(
         isinstance(x, list)
         and len(x) == 2
         and type(x[0]) is int
-        and 0 <= x[0] < rp.drawn
+        and 0 <= x[0] < drawn
         and _indices_ok(x[1], sd[K_CONFIG].get("dataset_len"))
         for x in out
     ):
@@ -729,9 +745,9 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
             f"expected [[task id < drawn, indices], ...], got {clip_repr(out)}",
             "the state is damaged",
         )
-    rp.outstanding = [(t, idx) for t, idx in out]
+    outstanding = [(t, idx) for t, idx in out]
     n = config["dataset_len"]
-    for t, idx in rp.outstanding:
+    for t, idx in outstanding:
         if not _indices_ok(idx, n):
             # Only on changed data (the indices fit the checkpoint's length): a resume by
             # position would re-send them to a dataset that no longer has them.
@@ -743,10 +759,17 @@ def _read_sampler(sd: dict[str, Any], rp: ResumePoint, config: dict[str, Any]) -
                 "the new data; resume with the checkpoint's data, or start afresh without "
                 "load_state_dict()",
             )
+    return {
+        "sampler_state": sd[K_SAMPLER_STATE],
+        "drawn": drawn,
+        "sampler_done": done,
+        "outstanding": outstanding,
+    }
 
 
-def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
-    """A stream's part: where each of the ``n`` workers' shards stands, who comes next.
+def _read_workers(sd: dict[str, Any], n: int) -> dict[str, Any]:
+    """A stream's part: where each of the ``n`` workers' shards stands, who comes next (the
+    ``ResumePoint`` fields).
 
     Each entry has all its keys: without ``dataset_state`` a shard would restart from its
     beginning, and ``id`` (the entry's place) tells entries moved about from the right ones.
@@ -759,6 +782,7 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
             f"expected {n} worker entries, got {clip_repr(workers)}",
             "the state is damaged",
         )
+    positions: list[WorkerPosition] = []
     for i, w in enumerate(workers):
         if (
             not isinstance(w, dict)
@@ -785,14 +809,15 @@ def _read_workers(sd: dict[str, Any], rp: ResumePoint, n: int) -> None:
                 f"expected an int in [0, delivered={w['delivered']}], got {clip_repr(at)}",
                 "the state is damaged",
             )
-        rp.workers.append(WorkerPosition(w["delivered"], w["exhausted"], w["dataset_state"], at))
-    rp.next_worker = _int(sd, K_NEXT_WORKER)
-    if rp.next_worker >= n:
+        positions.append(WorkerPosition(w["delivered"], w["exhausted"], w["dataset_state"], at))
+    next_worker = _int(sd, K_NEXT_WORKER)
+    if next_worker >= n:
         raise _fail(
             K_NEXT_WORKER,
-            f"{rp.next_worker} is not a worker id below {n}",
+            f"{next_worker} is not a worker id below {n}",
             "the state is damaged",
         )
+    return {"workers": positions, "next_worker": next_worker}
 
 
 def _read_triples(sd: dict[str, Any], key: str, valid: Any, shape: str) -> list[list[Any]]:

@@ -1,0 +1,521 @@
+"""A resume as parse → plan → apply: ``plan_resume`` turns a state into a frozen ``ResumePlan``.
+
+``DataLoader.load_state_dict`` takes a ``LoaderShape`` (``shape``: what a resume reads of the
+loader), calls ``plan_resume(state, shape, policy)``, and hands the plan to the loader's
+``_apply``, the one place a load changes the loader. ``plan_resume`` reads the state and the
+shape only: it validates the state (``state.schema``), settles or re-cuts the position for
+this loader's batch size and world size (``state.ranks``, ``state.cursor``), checks that the
+position fits an epoch of this loader, and validates and builds a ``Mixture``'s plan without
+installing it (``plans.mixture.plan_load``). Everything that can refuse the state happens
+here, before anything is changed: a refused state leaves the loader as it was by
+construction.
+
+    state ──► parse (schema.parse_state, or ranks.split_global + recut)
+          ──► data check (fingerprint changes; a Mixture's plan_changes)
+          ──► re-batch (another batch size: a sample cut) ──► fits an epoch?
+          ──► Mixture plan load (pure half) ──► ResumePlan ──► DataLoader._apply
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from torch.utils.data import SequentialSampler
+
+from ..core.errors import CheckpointError
+from ..plans.index_plan import BUILTIN, DISTRIBUTED, FASTFORWARD, STATEFUL
+from ..plans.mixture import PlanLoad, RestAt, plan_changes, plan_load
+from ..state import fingerprint as F
+from ..state import ranks as D
+from ..state import schema as S
+from ..state.codec import clip_text
+from ..state.cursor import Cut, check_cut
+from ..state.seeds import DIST_SEED, derive_seed
+from .shape import LoaderShape
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a validated state changes in the loader; ``DataLoader._apply`` applies it.
+
+    Attributes:
+        point: the position the next ``iter()`` continues (never changed after planning);
+            its ``source`` is the state ``state_dict()`` echoes until then (None: it writes
+            the position instead -- after a re-cut, or on changed data).
+        mixture: the dataset's ``Mixture`` plan to install (``plans.mixture.apply_plan_load``),
+            or None (no Mixture, or the checkpoint's data was none).
+        sampler_rng: the state of the sampler's own generator to set, or None.
+        chain: the seed chain to continue (the saved job's later epochs), or None.
+        sampler_epoch: the DistributedSampler's epoch to set, or None.
+        skipped: poison tasks skipped so far, for the loader's counters.
+        skipped_samples: ``skip_samples`` records, for the next states.
+        warnings: RuntimeWarnings to emit once the plan is applied (a re-cut's account of
+            padded or dropped samples, new Mixture weights that reach some samples late).
+        changes: how the data differs from the checkpoint's (``on_dataset_change=
+            "continue"``): one warning names them.
+    """
+
+    point: S.ResumePoint
+    mixture: PlanLoad | None
+    sampler_rng: str | None
+    chain: dict[str, Any] | None
+    sampler_epoch: int | None
+    skipped: tuple[list[Any], ...]
+    skipped_samples: tuple[list[int], ...]
+    warnings: tuple[str, ...]
+    changes: tuple[str, ...]
+
+
+def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
+    """The plan that continues ``state`` (a ``state_dict()``, or a job's global state) on the
+    loader ``shape`` describes. Pure: reads the state and the shape, changes neither.
+
+    Args:
+        state: what was given to ``load_state_dict``.
+        shape: the loader (``LoaderShape``).
+        policy: ``on_dataset_change`` (``state.fingerprint.RAISE`` or ``CONTINUE``), checked.
+
+    Raises:
+        CheckpointError: the state is malformed, from another version or configuration, does
+            not fit this loader, or (policy "raise") was taken on other data; the message names
+            the field, both values and the fix.
+    """
+    notes: list[str] = []
+    if D.is_global(state):
+        states = D.split_global(state)
+        world, rank = shape.config["world_size"], shape.config["rank"]
+        if (
+            len(states) != world
+            or shape.kind != DISTRIBUTED
+            or any(not _same_batch(sd, shape) for sd in states)
+            or D.fresh_level(states)
+        ):
+            # Another world size or batch size (re-cut), or a sampler that cannot be
+            # re-cut: the re-cut says which. A level nothing was taken of (after
+            # skip_samples) is cut here even on the same shape, and the re-cut warns
+            # where that cut pads or drops samples.
+            return _checked(_recut(states, shape, notes), None, shape, policy, notes, True)
+        state = states[rank]
+    rp = S.ResumePoint.from_state(
+        state, shape.config, shape.kind == STATEFUL, dataset=shape.data, dataset_change_ok=True
+    )
+    D.settle(rp)
+    same = _same_batch(state, shape) and (rp.cut is None or shape.kind == BUILTIN)
+    return _checked(rp, state, shape, policy, notes, not same)
+
+
+def _checked(
+    rp: S.ResumePoint,
+    state: dict[str, Any] | None,
+    shape: LoaderShape,
+    policy: str,
+    notes: list[str],
+    rebatch: bool,
+) -> ResumePlan:
+    """The plan of the position (re-cut for this batch size, if ``rebatch``), after the
+    dataset check: refuse changed data, or carry the changes into the plan, which warns of
+    them once it is applied."""
+    mix = shape.mixture
+    if mix is not None and rp.plan is not None:
+        rp = dataclasses.replace(
+            rp, dataset_changes=[*rp.dataset_changes, *plan_changes(mix, rp.plan)]
+        )
+    changes = rp.dataset_changes
+    if changes and policy == F.RAISE:
+        raise F.changed_error(changes)
+    try:
+        if rebatch:
+            plan = _plan_point(_rebatch(rp, shape), None, shape, notes)
+        else:
+            plan = _plan_point(rp, state, shape, notes)
+    except CheckpointError as e:
+        if not changes:
+            raise
+        raise CheckpointError(
+            f"{e} (The data changed since the checkpoint: {'; '.join(changes)}. "
+            "on_dataset_change='continue' keeps the checkpoint's position, which must fit "
+            "the new data.)"
+        ) from None
+    return dataclasses.replace(plan, changes=tuple(changes))
+
+
+def _plan_point(
+    rp: S.ResumePoint, state: dict[str, Any] | None, shape: LoaderShape, notes: list[str]
+) -> ResumePlan:
+    """The last checks of a position in this loader's batches, and its plan."""
+    for tid, idx in rp.outstanding:
+        if isinstance(idx, list) != shape.auto_collation:
+            what = "a list of sample indices" if shape.auto_collation else "one index"
+            raise CheckpointError(
+                f"cannot load DataLoader state: outstanding: task {tid} has {idx!r}, but a "
+                f"task of this loader is {what}. The state is damaged, or from a loader "
+                "that batches differently."
+            )
+    _check_fits(rp, shape)
+    gen = shape.sampler_generator
+    if gen == (rp.sampler_rng is None) and rp.seed is not None:
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_SAMPLER_RNG}: the checkpoint's sampler "
+            f"{'had no' if gen else 'drew from'} generator of its own, this "
+            f"loader's sampler {'has one' if gen else 'has none'}. Build the "
+            "sampler as the checkpoint's was (with or without generator=)."
+        )
+    mixture = _mixture_load(rp, shape, notes)
+    source = copy.deepcopy(state) if state is not None else None
+    if source is not None:
+        # An older version read as this one (``S.UPGRADABLE``) is saved again as this one.
+        source[S.K_VERSION] = S.VERSION
+        if rp.distributed:  # and a state from before `ended`, as `settle` read it
+            source[S.K_DIST] = rp.to_state(shape.config)[S.K_DIST]
+    return ResumePlan(
+        point=dataclasses.replace(rp, source=source),
+        mixture=mixture,
+        sampler_rng=rp.sampler_rng if gen else None,
+        chain=rp.chain,
+        # The sampler's epoch as it was: inside an epoch, the one to continue (iter()
+        # refuses another); after an epoch's end, the one that ended, so that a script that
+        # never calls set_epoch() iterates it again as it did uninterrupted. The recipe's
+        # set_epoch(state's sampler_epoch) then moves on.
+        sampler_epoch=D.sampler_epoch_now(rp) if rp.distributed else None,
+        skipped=tuple([e, t, S.plain_indices(i)] for e, t, i in rp.skipped),
+        skipped_samples=tuple(list(x) for x in rp.skipped_samples),
+        warnings=tuple(notes),
+        changes=(),
+    )
+
+
+# ---- batch size and world size -------------------------------------------------------------
+def _same_batch(sd: Any, shape: LoaderShape) -> bool:
+    """Whether the state ``sd`` counts its position in this loader's batches."""
+    cfg = sd.get(S.K_CONFIG) if isinstance(sd, dict) else None
+    if not isinstance(cfg, dict):
+        return False
+    mine = shape.config["batch_sampler"]
+    # A state that does not say whether a batch_sampler made its batches (written before
+    # that was recorded) is taken as this loader's, as it was then.
+    return S.same_state(cfg.get("batch_size"), shape.batch_size) and S.same_state(
+        cfg.get("batch_sampler", mine), mine
+    )
+
+
+def _refuse_batch_sampler(rp: S.ResumePoint, shape: LoaderShape) -> None:
+    """Refuse to re-cut a position whose batches, or this loader's, come from a
+    ``batch_sampler`` passed in: the state counts batches of the batch sampler's making,
+    whose size it does not hold, and the docs promise a refusal both ways."""
+    if rp.per_task() is not None and not shape.user_batches:
+        return
+    if rp.batch_sampler:
+        cfg = rp.source.get(S.K_CONFIG) if isinstance(rp.source, dict) else None
+        desc = cfg.get("batch_sampler") if isinstance(cfg, dict) else None
+        theirs = "the checkpoint's batches came from a batch_sampler" + (
+            f" ({clip_text(desc, 200)})" if isinstance(desc, str) else ""
+        )
+    elif rp.per_task() is None:
+        theirs = (
+            "the checkpoint has batch_size=None and does not say whether a batch_sampler "
+            "made its batches (it was written before that was recorded)"
+        )
+    else:
+        theirs = f"the checkpoint has batch_size={rp.batch}"
+    mine = (
+        f"this loader's come from a batch_sampler ({shape.config['batch_sampler']})"
+        if shape.user_batches
+        else f"this loader has batch_size={shape.batch_size}"
+    )
+    raise CheckpointError(
+        f"cannot load DataLoader state: config.batch_size: {theirs}, {mine}. A position "
+        "counted in batches of a batch_sampler passed to the loader cannot be re-cut into "
+        "other batches (nor cut from another batch size: the batch sampler decides its "
+        "batches). Resume with the checkpoint's own batching, or build the loader with "
+        "batch_size=... (shuffle=True/False, a DistributedSampler or a Mixture), whose "
+        "position is a sample cursor."
+    )
+
+
+def _rebatch(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
+    """A position saved with another batch size, as this loader's: the samples consumed
+    become a sample cut (``state.cursor``) from which this loader's batches are cut.
+
+    Raises:
+        CheckpointError: a sampler whose position cannot be re-cut, with what to do.
+    """
+    kind = shape.kind
+    mine = shape.batch_size
+    description = shape.plan.description
+    if kind != BUILTIN and rp.cut is not None:
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_CUT}: a sample cut, but this loader's "
+            f"sampler ({description}) is not one of torch's Sequential/"
+            "RandomSampler. The state is damaged, or from a loader with another sampler."
+        )
+    if rp.source is not None and _same_batch(rp.source, shape):
+        return rp
+    if rp.source is None and S.same_state(rp.batch, mine) and not shape.user_batches:
+        return rp  # re-cut from a global state: a fresh level, cut by this loader
+    _refuse_batch_sampler(rp, shape)
+    saved = f"batch_size={rp.batch}, this loader has batch_size={mine}"
+    if kind == DISTRIBUTED:
+        raise CheckpointError(
+            f"cannot load DataLoader state: config.batch_size: the checkpoint has {saved}. "
+            "With a DistributedSampler another batch size re-cuts the whole job's position, "
+            "which one rank's state does not hold: load the job's global state (saved by "
+            "torch.distributed.checkpoint, or resumable_loader.merge_rank_states([the state "
+            "of every rank])) on every rank."
+        )
+    if kind != BUILTIN:
+        what = (
+            "a sampler with its own state_dict()"
+            if kind == STATEFUL
+            else "a batch_sampler or sampler whose order only replaying it reproduces"
+        )
+        raise CheckpointError(
+            f"cannot load DataLoader state: config.batch_size: the checkpoint has {saved}. "
+            f"This loader's position is counted in batches of {what} "
+            f"({description}), which cannot be re-cut into other batches. Resume "
+            f"with batch_size={rp.batch}, or use shuffle=True/False, a DistributedSampler "
+            "or a Mixture, whose position is a sample cursor."
+        )
+    n = shape.plan.epoch_samples()
+    assert n is not None
+    # Bounded by the epoch before advance(), which would clamp a cut past the end to
+    # "nothing left" and silently drop the epoch.
+    _, problem = check_cut(rp.cut.to_state() if rp.cut is not None else None, n)
+    if problem is not None:
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_CUT}: {problem}. The state is damaged, "
+            "or from another dataset."
+        )
+    cut = rp.cut or Cut()
+    try:
+        cut = cut.advance(n, rp.per_task() or 1, rp.consumed, rp.ahead, shape.drop_last)
+    except ValueError as e:
+        raise CheckpointError(
+            f"cannot load DataLoader state: consumed: {e} (batch_size={rp.batch}). Build "
+            "the loader over the dataset of the checkpoint."
+        ) from None
+    # The rest of the epoch is cut from the first sample not consumed, with this batch size:
+    # the seed, and hence the order and the per-sample seeds, are the epoch's own.
+    return dataclasses.replace(
+        rp,
+        cut=None if cut.is_trivial else cut,
+        consumed=0,
+        ahead=frozenset(),
+        batch=mine,
+        source=None,
+    )
+
+
+def _recut(states: list[dict[str, Any]], shape: LoaderShape, notes: list[str]) -> S.ResumePoint:
+    """The position of this rank from every rank's state of a job on another world size."""
+    config = shape.config
+    data = shape.data
+    world = len(states)
+    stateful = shape.kind == STATEFUL
+    if shape.kind != DISTRIBUTED:
+        if world == config["world_size"]:
+            return S.ResumePoint.from_state(
+                states[config["rank"]], config, stateful, dataset=data, dataset_change_ok=True
+            )
+        raise CheckpointError(
+            f"cannot load DataLoader state: world_size: the checkpoint is from {world} "
+            f"ranks, this loader has {config['world_size']}. Only torch's "
+            "DistributedSampler's position can be re-cut for another number of ranks; "
+            "with any other sampler, resume on the same number of ranks."
+        )
+    points = [
+        S.ResumePoint.from_state(
+            sd,
+            dict(config, world_size=world, rank=r),
+            False,
+            dataset=data,
+            dataset_change_ok=True,
+        )
+        for r, sd in enumerate(states)
+    ]
+    for p in points:
+        _refuse_batch_sampler(p, shape)
+    batch = shape.batch_size if shape.auto_collation else None
+    rp: S.ResumePoint = D.recut(points, shape.plan, batch, shape.drop_last, notes)
+    seed = rp.seed
+    if rp.history:
+        # Inside the epoch: its seed, as iter() derives it again, so that a state saved
+        # before that iter() is one a loader reads back (an epoch with levels has begun).
+        s = shape.plan.sampler
+        seed = derive_seed(
+            DIST_SEED, s.seed, rp.sampler_epoch, len(rp.history), s.num_replicas, s.rank
+        )
+    return dataclasses.replace(
+        rp,
+        seed=seed,
+        # A fresh level: nothing of it consumed yet.
+        batch=shape.batch_size,
+        batch_sampler=shape.user_batches,
+        # Every rank read the same data: its changes, once each.
+        dataset_changes=list(dict.fromkeys(c for p in points for c in p.dataset_changes)),
+    )
+
+
+# ---- the position fits this loader ---------------------------------------------------------
+def _check_fits(rp: S.ResumePoint, shape: LoaderShape) -> None:
+    """The position lies inside an epoch of this loader."""
+    plan = shape.plan
+    if shape.kind == DISTRIBUTED:
+        share = plan.distributed_tasks(rp.sampler_epoch, rp.history)
+        if rp.consumed + len(rp.ahead) > share:
+            raise CheckpointError(
+                f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
+                f"batches consumed, but this rank's share of the epoch has only {share}. "
+                "Build the loader with the dataset, batch size and sampler of the checkpoint."
+            )
+    if shape.kind == BUILTIN and rp.cut is not None:
+        _, problem = check_cut(rp.cut.to_state(), plan.epoch_samples())
+        if problem is not None:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_CUT}: {problem}. The state is damaged, "
+                "or from another dataset."
+            )
+    if shape.kind in (BUILTIN, FASTFORWARD):
+        try:
+            total = shape.length if rp.cut is None else plan.cut_tasks(rp.cut)
+        except TypeError:
+            total = None
+        if total is not None and rp.consumed + len(rp.ahead) > total:
+            raise CheckpointError(
+                f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
+                f"batches consumed, but an epoch of this loader has only {total}. Build the "
+                "loader with the dataset and batch size of the checkpoint."
+            )
+
+
+# ---- a Mixture's plan ----------------------------------------------------------------------
+def _mixture_load(rp: S.ResumePoint, shape: LoaderShape, notes: list[str]) -> PlanLoad | None:
+    """A ``Mixture``'s plan from the state, validated and built, not installed: the last check
+    that can refuse the state. New weights the mixture was built with apply from the first
+    sample not yet consumed, in the order the sampler delivers the epoch (see
+    ``_mixture_resume``), or are refused where that order cannot be recomputed."""
+    mix = shape.mixture
+    if mix is None:
+        # On changed data (another class: the check named it) a plan is not ours to follow.
+        if rp.plan is not None and not rp.dataset_changes:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_PLAN}: the state holds a Mixture's "
+                f"plan, but this loader's dataset is a {shape.dataset_name}. Build the "
+                "loader over the Mixture the checkpoint was taken with."
+            )
+        return None
+    if rp.plan is None:
+        if rp.dataset_changes:
+            return None  # the checkpoint's data was no Mixture: this one's plan, as it was built
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_PLAN}: missing, but this loader's dataset "
+            "is a Mixture. The state was taken over another dataset."
+        )
+    resume, behind = _mixture_resume(rp, len(mix), shape)
+    load = plan_load(mix, rp.plan, resume=resume, changes_ok=bool(rp.dataset_changes))
+    if load.applied and behind:
+        notes.append(behind)
+    return load
+
+
+def _mixture_resume(
+    rp: S.ResumePoint, n: int, shape: LoaderShape
+) -> tuple[int | RestAt | str, str]:
+    """Where a ``Mixture``'s new weights begin at this resume: after every sample consumed.
+
+    The epoch's sampler visits its positions in an order; what was consumed is a prefix of
+    that order, less any batches delivered ahead (``in_order=False``) or ranks out of step.
+    The new weights begin at the place ``top`` just after the last consumed sample: a
+    global position when the order is ``range(n)``, else a place in the order (``RestAt``:
+    the k-th sample delivered after the resume is the k-th of the new weights). The few
+    unconsumed samples before ``top`` keep the old weights: the second value says so (a
+    warning, if the weights changed), or is empty. A str first: the reason the order
+    cannot be recomputed (the load is refused if the weights changed).
+    """
+    epoch = rp.epoch
+    begun = rp.consumed or rp.ahead or rp.history or rp.drawn or rp.cut is not None
+    if not begun:
+        return epoch * n, ""
+    kind, sampler = shape.kind, shape.plan.sampler
+    order: dict[str, Any] | None = None
+    if kind == BUILTIN:
+        cut = (rp.cut or Cut()).advance(n, shape.plan.per_task(), rp.consumed, rp.ahead)
+        top = max([cut.start, *(f + c for f, c in cut.holes)])
+        behind = top - cut.start - sum(c for _, c in cut.holes)
+        if type(sampler) is not SequentialSampler:
+            if sampler.replacement or sampler.num_samples != n:
+                why = (
+                    f"the sampler draws {sampler.num_samples} positions of {n}"
+                    f"{' with replacement' if sampler.replacement else ''}, so the rest "
+                    "of the epoch is no set of positions that new weights could be given to"
+                )
+                return why, ""
+            assert rp.seed is not None  # begun: inside an epoch
+            order = {"kind": "random", "seed": rp.seed}
+    elif kind == DISTRIBUTED:
+        top, behind = _distributed_top(rp, n, shape)
+        if sampler.shuffle:
+            order = {"kind": "distributed", "seed": sampler.seed, "epoch": rp.sampler_epoch}
+    else:
+        why = (
+            f"the loader cannot recompute the order of its sampler ({shape.plan.description})"
+            ", so it cannot tell which samples of the epoch are still to come"
+        )
+        return why, ""
+    note = (
+        f"the Mixture's new weights apply after the last sample consumed, from place {top} "
+        f"of epoch {epoch}'s order of {n}; {behind} samples before it were not consumed "
+        "(delivered ahead out of order, or ranks out of step) and keep the checkpoint's "
+        "weights"
+        if behind
+        else ""
+    )
+    if top >= n:
+        return (epoch + 1) * n, note
+    if order is None or top == 0:
+        return epoch * n + top, note
+    return RestAt(epoch, top, order), note
+
+
+def _distributed_top(rp: S.ResumePoint, n: int, shape: LoaderShape) -> tuple[int, int]:
+    """A DistributedSampler epoch: one past the last place (in the epoch's order, before
+    torch's cut) any rank consumed, and how many places before it are still to come.
+
+    The levels of ``rp.history`` hold each rank's count. A rank's own state (the level it
+    is in has samples consumed) says only what this rank consumed: the other ranks are
+    taken to be in step with it, as ranks that step together are."""
+    plan = shape.plan
+    s = plan.sampler
+    drop_last = s.drop_last
+    seq = np.arange(n, dtype=np.int64)  # places, cut and re-cut as the positions are
+    top = -1
+    levels = list(rp.history)
+    own: np.ndarray | None = None
+    if rp.consumed or rp.ahead:
+        share = len(plan.distributed_share(rp.sampler_epoch, rp.history))
+        bs = plan.per_task()
+        mine = [np.arange(min(share, rp.consumed * bs), dtype=np.int64)]
+        mine += [np.arange(t * bs, min(share, (t + 1) * bs), dtype=np.int64) for t in rp.ahead]
+        own = np.concatenate(mine)
+    for world, consumed in levels:
+        total = min(len(seq), D.cut_length(len(seq), world, drop_last))
+        for r, c in enumerate(consumed):
+            took = seq[r : min(total, c * world + r) : world]
+            if len(took):
+                top = max(top, int(took.max()))
+        seq = D.remaining(seq, world, consumed, drop_last)
+    if own is not None:
+        world = s.num_replicas
+        total = min(len(seq), D.cut_length(len(seq), world, drop_last))
+        taken = np.zeros(len(seq), dtype=bool)
+        for r in range(world):
+            at = own * world + r
+            taken[at[at < total]] = True
+        if taken.any():
+            top = max(top, int(seq[taken].max()))
+        seq = seq[~taken]
+    top += 1
+    return top, int((seq < top).sum())
