@@ -28,7 +28,8 @@ from torch.utils.data import SequentialSampler
 
 from ..core.errors import CheckpointError
 from ..plans.index_plan import BUILTIN, DISTRIBUTED, FASTFORWARD, STATEFUL
-from ..plans.mixture import PlanLoad, RestAt, plan_changes, plan_load
+from ..plans.mixture import plan_changes, plan_load
+from ..plans.mixture_state import PlanLoad, RestAt
 from ..state import fingerprint as F
 from ..state import ranks as D
 from ..state import schema as S

@@ -10,7 +10,8 @@ module owns the dataset around it:
 * ``Mixture``: construction and its checks, indexing (``__getitem__``, ``source_of``),
   weights changes (``set_weights``), the state (``state_dict``, ``load_state_dict``);
 * the loader's side: the epoch a loader's workers serve (``follow_epoch``, ``hold_epoch``) and
-  loading a saved plan (``plan_changes``, ``load_plan``, ``RestAt``).
+  loading a saved plan in two halves (``plan_changes``, ``plan_load``, ``apply_plan_load``;
+  the plan's format and its validation are ``plans/mixture_state.py``).
 
 The state (``state_dict``) is the weights history's segments, the rests, the seed and the
 sources' names, lengths and fingerprints: O(number of changes + number of sources), never
@@ -25,16 +26,12 @@ import json
 import operator
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from ..core.errors import CheckpointError
 from ..state import fingerprint as F
-from ..state.codec import clip_repr
 from .interleave import (
     Rest,
     Segment,
@@ -46,32 +43,23 @@ from .interleave import (
     rest_draw,
     segment_after,
 )
-from .samplers import check_order
+from .mixture_state import (
+    STATE_KIND,
+    STATE_VERSION,
+    PlanLoad,
+    RestAt,
+    Sources,
+    check_int,
+    parse_plan,
+    same_ratios,
+)
+from .mixture_state import plan_load as _plan
 
 __all__ = ["Mixture"]
-
-STATE_KIND = "resumable_loader.Mixture"
-# Version 2 adds "rests" (weights changed inside a shuffled epoch, keyed by the sampler's order).
-# A plan without them is still written as version 1, so that a library that reads only version 1
-# keeps loading every plan it can serve; one with them must not be read by it (it would ignore
-# them and serve the old weights).
-STATE_VERSION = 2
-_READS = (1, 2)
-_STATE_KEYS = ("kind", "version", "seed", "num_samples", "epoch", "sources", "weights")
-_REST_KEYS = {"epoch", "length", "order", "from", "weights"}
 
 # Round keys of recently used (source, pass) pairs. A loader touches one or two passes of each
 # source at a time; the bound only keeps a long, many-source run from growing the dict.
 _KEY_CACHE_SIZE = 4096
-
-
-class RestAt(NamedTuple):
-    """Where new weights begin inside epoch ``epoch`` of a shuffling sampler: at place
-    ``start`` (``0 < start < len``) of the epoch's order ``order`` (see ``interleave.Rest``)."""
-
-    epoch: int
-    start: int
-    order: dict[str, Any]
 
 
 def follow_epoch(dataset: Any, epoch: int, plan: Any = None) -> None:
@@ -176,10 +164,10 @@ class Mixture(Dataset[Any]):
         self._fingerprints = tuple(
             F.fingerprint_of(ds, f"source {n!r}") for n, ds in zip(self._names, self._sources)
         )
-        self._seed = _check_int("seed", seed, 0, 1 << 64)
+        self._seed = check_int("seed", seed, 0, 1 << 64)
         if num_samples is None:
             num_samples = sum(self._lengths)
-        self._num_samples = _check_int("num_samples", num_samples, 1, None)
+        self._num_samples = check_int("num_samples", num_samples, 1, None)
         self._epoch = 0
         plain, fracs = check_weights(weights, self._names)
         self._segments = [Segment(0, plain, fracs, (0,) * len(self._names), self._seed)]
@@ -244,7 +232,7 @@ class Mixture(Dataset[Any]):
         Returns:
             source name -> count.
         """
-        position = _check_int("position", position, 0, None)
+        position = check_int("position", position, 0, None)
         seg = self._segments[bisect.bisect_right(self._starts, position) - 1]
         return dict(zip(self._names, seg.totals(position - seg.start)))
 
@@ -254,7 +242,7 @@ class Mixture(Dataset[Any]):
         Args:
             epoch: the epoch, >= 0.
         """
-        self._epoch = _check_int("epoch", epoch, 0, None)
+        self._epoch = check_int("epoch", epoch, 0, None)
 
     @property
     def epoch(self) -> int:
@@ -312,7 +300,7 @@ class Mixture(Dataset[Any]):
             ValueError: bad weights, ``from_position`` before the newest segment's start, or
                 inside an epoch a loader's workers already serve.
         """
-        from_position = _check_int("from_position", from_position, 0, None)
+        from_position = check_int("from_position", from_position, 0, None)
         plain, fracs = check_weights(weights, self._names)
         last = self._segments[-1]
         if from_position < self._floor:
@@ -330,7 +318,7 @@ class Mixture(Dataset[Any]):
                 "drawn under them keep their samples. Give a position >= "
                 f"{last.start} (the next unconsumed one)."
             )
-        if _same_ratios(fracs, check_weights(last.weights, self._names)[1]):
+        if same_ratios(fracs, check_weights(last.weights, self._names)[1]):
             return
         segments = self._segments[:-1] if from_position == last.start else self._segments
         self._segments = [
@@ -416,119 +404,33 @@ class Mixture(Dataset[Any]):
         *,
         check_num_samples: bool,
     ) -> tuple[list[str], bool]:
-        """``load_state_dict``'s work: ``_plan_load``, its warning, ``_apply_load``. Returns
-        what changed in the data and whether new weights were applied."""
-        load = self._plan_load(state, resume, changes_ok, check_num_samples=check_num_samples)
+        """``load_state_dict``'s work: ``mixture_state.plan_load``, its warning, ``apply_load``.
+        Returns what changed in the data and whether new weights were applied."""
+        load = _plan(
+            state,
+            self.record,
+            self.weights,
+            resume,
+            changes_ok,
+            check_num_samples=check_num_samples,
+        )
         if load.kept is not None:
             warnings.warn(load.kept, UserWarning, stacklevel=2)
-        self._apply_load(load)
+        self.apply_load(load)
         return list(load.changes), load.applied
 
-    def _plan_load(
-        self,
-        state: Any,
-        resume: int | RestAt | str | None,
-        changes_ok: bool,
-        *,
-        check_num_samples: bool,
-    ) -> PlanLoad:
-        """The pure half of a load: validate ``state`` and build the plan it gives this mixture,
-        changing nothing (``_apply_load`` installs it). What changed in the data is allowed when
-        ``changes_ok``, else refused. New weights (this mixture's, when they are not the
-        checkpoint's newest) apply from ``resume``: a global position, a place in a shuffled
-        epoch's order (``RestAt``), or -- a str -- nowhere: the reason they cannot."""
-        seed, epoch, segments, changes, rests = self._parse_state(state, check_num_samples)
-        if changes and not changes_ok:
-            raise F.changed_error(changes, "Mixture")
-        own = self._segments[-1]
-        own_fracs = check_weights(own.weights, self._names)[1]
-        specs = [(start, *check_weights(w, self._names)) for start, w in segments]
-        rest_specs = [(e, order, at, *check_weights(w, self._names)) for e, order, at, w in rests]
-        theirs = specs[-1][1]
-        applied = False
-        kept = None
-        if not _same_ratios(own_fracs, specs[-1][2]):
-            new = (own.weights, own_fracs)
-            if isinstance(resume, str):
-                raise CheckpointError(
-                    f"this Mixture was built with weights {own.weights}, the checkpoint has "
-                    f"{theirs}, and they cannot apply from the resume point: {resume}. Build "
-                    f"the Mixture with the checkpoint's weights {theirs} to resume, then call "
-                    "mix.set_weights(new_weights, from_position=(epoch + 1) * len(mix)) to "
-                    "change them from the next epoch."
-                )
-            applied = resume is not None
-            if isinstance(resume, RestAt):
-                specs, rest_specs = self._with_rest(specs, rest_specs, resume, new)
-            elif resume is not None:
-                try:
-                    resume = _check_int("resume_at", resume, 0, None)
-                except (TypeError, ValueError) as e:
-                    raise CheckpointError(str(e)) from None
-                if resume < specs[-1][0]:
-                    raise CheckpointError(
-                        f"the new weights {own.weights} cannot apply from global position "
-                        f"{resume}: the checkpoint's weights {theirs} apply from "
-                        f"{specs[-1][0]} on. Pass the position of the first unconsumed sample."
-                    )
-                keep = specs[:-1] if resume == specs[-1][0] else specs
-                specs = [*keep, (resume, *new)]
-            else:
-                kept = (
-                    f"this Mixture was built with weights {own.weights}, the checkpoint has "
-                    f"{theirs}: kept the checkpoint's. To change them at the resume, pass "
-                    "load_state_dict(state, resume_at=<first unconsumed global position>) or "
-                    "call set_weights() after loading."
-                )
-        built, built_rests = self._build(specs, rest_specs, seed)
-        return PlanLoad(seed, epoch, built, built_rests, tuple(changes), applied, kept)
+    @property
+    def record(self) -> Sources:
+        """The sources as a saved plan is checked against them (``mixture_state.Sources``)."""
+        return Sources(self._names, self._lengths, self._fingerprints, self._num_samples)
 
-    def _apply_load(self, load: PlanLoad) -> None:
-        """The other half: install a plan ``_plan_load`` built for this mixture. Assignments
-        only: it cannot fail, so a load that was not refused while planning completes."""
+    def apply_load(self, load: PlanLoad) -> None:
+        """Install a plan load built for this mixture (``plan_load``): the loader's second half
+        of a resume. Assignments only: it cannot fail, so a load that was not refused while
+        planning completes."""
         self._seed, self._epoch = load.seed, load.epoch
         self._commit(load.segments, load.rests)
         self._floor = 0  # a loaded plan is the loader's to hold again at its next iter()
-
-    def _with_rest(
-        self, specs: list[Any], rest_specs: list[Any], at: RestAt, new: tuple[Any, Any]
-    ) -> tuple[list[Any], list[Any]]:
-        """The plan's specs with ``new`` weights from place ``at.start`` of epoch ``at.epoch``'s
-        order on, and from the next epoch's first position on."""
-        end = (at.epoch + 1) * self._num_samples
-        if specs[-1][0] > end:
-            raise CheckpointError(
-                f"the new weights {new[0]} cannot apply inside epoch {at.epoch}: the checkpoint "
-                f"schedules weights {specs[-1][1]} from global position {specs[-1][0]} on, "
-                "after that epoch. Build the Mixture with the checkpoint's weights to resume."
-            )
-        keep = specs[:-1] if specs[-1][0] == end else specs
-        earlier = []
-        for r in rest_specs:
-            if r[0] == at.epoch and r[1] != at.order:
-                raise CheckpointError(
-                    f"the checkpoint changed the weights inside epoch {at.epoch} under the "
-                    f"sampler order {r[1]}, this loader's order is {at.order}: build the "
-                    "sampler as the checkpoint's was (its seed, shuffle and generator)."
-                )
-            if r[0] == at.epoch and r[2] > at.start:
-                raise CheckpointError(
-                    f"the new weights {new[0]} cannot apply from place {at.start} of epoch "
-                    f"{at.epoch}: the checkpoint's weights {r[3]} apply from place {r[2]} on."
-                )
-            if r[0] != at.epoch or r[2] < at.start:
-                earlier.append(r)
-        return [*keep, (end, *new)], [*earlier, (at.epoch, at.order, at.start, *new)]
-
-    def _build(
-        self, specs: list[Any], rest_specs: list[Any], seed: int
-    ) -> tuple[list[Segment], dict[int, list[Rest]]]:
-        """The plan of ``specs`` and ``rest_specs`` in this mixture's epochs (``build_plan``).
-
-        Raises:
-            CheckpointError: an epoch's rests without a segment that starts the next epoch.
-        """
-        return build_plan(specs, rest_specs, seed, self._num_samples)
 
     def _commit(self, built: list[Segment], rests: dict[int, list[Rest]]) -> None:
         self._segments = built
@@ -542,149 +444,13 @@ class Mixture(Dataset[Any]):
         on: its seed, weights history and rests; the epoch comes with the message."""
         if plan == self._adopted:
             return
-        seed, _, segments, _, rests = self._parse_state(plan, check_num_samples=False)
+        seed, _, segments, _, rests = parse_plan(plan, self.record, check_num_samples=False)
         specs = [(start, *check_weights(w, self._names)) for start, w in segments]
         rest_specs = [(e, order, at, *check_weights(w, self._names)) for e, order, at, w in rests]
-        built, built_rests = self._build(specs, rest_specs, seed)
+        built, built_rests = build_plan(specs, rest_specs, seed, self._num_samples)
         self._seed = seed
         self._commit(built, built_rests)
         self._adopted = plan
-
-    def _parse_state(
-        self, state: Any, check_num_samples: bool
-    ) -> tuple[int, int, list[tuple[int, Any]], list[str], list[tuple[int, Any, int, Any]]]:
-        """Validate ``state`` against this mixture's sources; nothing is changed. Returns its
-        seed, epoch, segments, how the sources (and ``num_samples``, when
-        ``check_num_samples``) differ from the checkpoint's, and its rests."""
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"a Mixture state is a dict, not {type(state).__name__}")
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise CheckpointError(f"not a Mixture state: missing keys {missing}")
-        if state["kind"] != STATE_KIND:
-            raise CheckpointError(f"not a Mixture state: kind is {state['kind']!r}")
-        if state["version"] not in _READS or isinstance(state["version"], bool):
-            raise CheckpointError(
-                f"Mixture state version {state['version']!r}; this resumable_loader reads "
-                f"versions {list(_READS)}. Resume with the version that saved it."
-            )
-        changes = self._source_changes(state["sources"])
-        try:
-            seed = _check_int("seed", state["seed"], 0, 1 << 64)
-            epoch = _check_int("epoch", state["epoch"], 0, None)
-            num_samples = _check_int("num_samples", state["num_samples"], 1, None)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"bad Mixture state: {e}") from None
-        if num_samples != self._num_samples and check_num_samples:
-            changes.append(
-                f"the checkpoint's Mixture has num_samples={num_samples}, this one "
-                f"{self._num_samples} (global positions fall in other epochs; build it with "
-                f"num_samples={num_samples} to keep them)"
-            )
-        history = state["weights"]
-        if not isinstance(history, list) or not history:
-            raise CheckpointError("bad Mixture state: 'weights' must be a non-empty list")
-        segments: list[tuple[int, Any]] = []
-        for j, seg in enumerate(history):
-            if not isinstance(seg, Mapping) or set(seg) != {"from", "weights"}:
-                raise CheckpointError(f"bad Mixture state: weights[{j}] is {clip_repr(seg)}")
-            start = seg["from"]
-            earlier = segments[-1][0] if segments else -1
-            if not _is_int(start) or start <= earlier or (j == 0 and start != 0):
-                raise CheckpointError(
-                    f"bad Mixture state: weights[{j}] starts at {start!r}; the segments must "
-                    "start at 0 and at increasing positions"
-                )
-            try:
-                check_weights(seg["weights"], self._names)
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(f"bad Mixture state: weights[{j}]: {e}") from None
-            segments.append((start, seg["weights"]))
-        return seed, epoch, segments, changes, self._parse_rests(state)
-
-    def _parse_rests(self, state: Mapping[str, Any]) -> list[tuple[int, Any, int, Any]]:
-        """A state's ``rests`` (version 2), validated: ``(epoch, order, start, weights)``."""
-        raw = state.get("rests")
-        if raw is None:
-            return []
-        if state["version"] == 1 or not isinstance(raw, list):
-            raise CheckpointError(f"bad Mixture state: 'rests' is {clip_repr(raw)}")
-        rests: list[tuple[int, Any, int, Any]] = []
-        for j, r in enumerate(raw):
-            ok = isinstance(r, Mapping) and set(r) == _REST_KEYS
-            if ok:
-                e, length, at = r["epoch"], r["length"], r["from"]
-                ok = _is_int(e) and e >= 0 and _is_int(length) and _is_int(at)
-            if not ok:
-                raise CheckpointError(f"bad Mixture state: rests[{j}] is {clip_repr(r)}")
-            if length != self._num_samples:
-                raise CheckpointError(
-                    f"the checkpoint's Mixture changed its weights inside epoch {e} of "
-                    f"{length} positions (a shuffled epoch, keyed by its order); this one has "
-                    f"num_samples={self._num_samples}. Build it with num_samples={length}."
-                )
-            problem = check_order(r["order"])
-            if not 0 < at < length or problem is not None:
-                raise CheckpointError(
-                    f"bad Mixture state: rests[{j}]: "
-                    f"{problem or f'from is {at}, not inside the epoch (0, {length})'}"
-                )
-            if rests and (rests[-1][0], rests[-1][2]) >= (e, at):
-                raise CheckpointError(f"bad Mixture state: rests[{j}] is out of order")
-            if rests and rests[-1][0] == e and rests[-1][1] != r["order"]:
-                raise CheckpointError(f"bad Mixture state: rests[{j}]: one epoch, two orders")
-            try:
-                check_weights(r["weights"], self._names)
-            except (TypeError, ValueError) as exc:
-                raise CheckpointError(f"bad Mixture state: rests[{j}]: {exc}") from None
-            rests.append((e, dict(r["order"]), at, r["weights"]))
-        return rests
-
-    def _source_changes(self, saved: Any) -> list[str]:
-        """How each source differs from the checkpoint's (length, fingerprint), one line each.
-
-        Raises:
-            CheckpointError: malformed, or sources added or removed.
-        """
-        if not isinstance(saved, list) or not all(
-            isinstance(s, Mapping)
-            and {"name", "length", "fingerprint"} <= set(s)
-            # Typed before they are hashed or compared: a damaged file may hold a list or an
-            # array there, whose hash raises and whose == is elementwise.
-            and type(s["name"]) is str
-            and type(s["length"]) is int
-            and (s["fingerprint"] is None or type(s["fingerprint"]) is str)
-            for s in saved
-        ):
-            raise CheckpointError(f"bad Mixture state: 'sources' is {clip_repr(saved)}")
-        theirs = {s["name"]: s for s in saved}
-        added = [n for n in self._names if n not in theirs]
-        removed = sorted(n for n in theirs if n not in self._names)
-        if added or removed:
-            change = []
-            if added:
-                change.append(f"{added} added")
-            if removed:
-                change.append(f"{removed} removed")
-            raise CheckpointError(
-                f"the Mixture's sources changed since the checkpoint: {' and '.join(change)} "
-                f"(checkpoint: {sorted(theirs)}, now: {list(self._names)}). Resume with the "
-                "checkpoint's sources; set a source's weight to 0 to stop drawing from it "
-                "(on_dataset_change='continue' does not apply: the weights name the sources)."
-            )
-        changes = []
-        for n, length, fp in zip(self._names, self._lengths, self._fingerprints):
-            if theirs[n]["length"] != length:
-                changes.append(
-                    f"source {n!r} had {clip_repr(theirs[n]['length'])} items in the "
-                    f"checkpoint, now {length} (its passes draw other items)"
-                )
-            if theirs[n]["fingerprint"] != fp:
-                changes.append(
-                    f"source {n!r} has fingerprint {clip_repr(fp, 120)}, the checkpoint "
-                    f"{clip_repr(theirs[n]['fingerprint'], 120)}"
-                )
-        return changes
 
     # ---- internals ---------------------------------------------------------------------------
     def _global(self, index: int) -> int:
@@ -739,44 +505,6 @@ class Mixture(Dataset[Any]):
         )
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_int(what: str, value: Any, low: int, high: int | None) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an integer, not {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, not {value!r}") from None
-    if v < low or (high is not None and v >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{what} must be {bound}, not {v}")
-    return v
-
-
-def _same_ratios(a: tuple[Fraction, ...], b: tuple[Fraction, ...]) -> bool:
-    sa, sb = sum(a), sum(b)
-    return all(x * sb == y * sa for x, y in zip(a, b))
-
-
-@dataclass(frozen=True)
-class PlanLoad:
-    """A Mixture plan load, validated and built but not installed (``plan_load``): the seed,
-    epoch, segments and rests to install, the data changes found, whether new weights were
-    applied, and -- ``kept`` -- the warning that the checkpoint's weights were kept (only for
-    a load without a resume point)."""
-
-    seed: int
-    epoch: int
-    segments: list[Segment]
-    rests: dict[int, list[Rest]]
-    changes: tuple[str, ...]
-    applied: bool
-    kept: str | None
-
-
 def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
     """How ``dataset``'s sources differ from those of a saved ``plan`` (the loader's check;
     ``num_samples`` is left out: to the loader it is the dataset's length, checked as such).
@@ -784,7 +512,7 @@ def plan_changes(dataset: Mixture, plan: Any) -> list[str]:
     Raises:
         CheckpointError: a malformed plan, or sources added or removed.
     """
-    return dataset._parse_state(plan, check_num_samples=False)[3]
+    return parse_plan(plan, dataset.record, check_num_samples=False)[3]
 
 
 def plan_load(
@@ -799,9 +527,9 @@ def plan_load(
     Raises:
         CheckpointError: what the load refuses (the mixture is untouched).
     """
-    return dataset._plan_load(plan, resume, changes_ok, check_num_samples=False)
+    return _plan(plan, dataset.record, dataset.weights, resume, changes_ok, check_num_samples=False)
 
 
 def apply_plan_load(dataset: Mixture, load: PlanLoad) -> None:
     """Install a ``plan_load`` result in the mixture it was planned for; cannot fail."""
-    dataset._apply_load(load)
+    dataset.apply_load(load)
