@@ -341,7 +341,7 @@ class FaultyDataset(Dataset):
     wrapper resumes on the plain dataset, and the other way round.
     """
 
-    _records_as = "dataset"  # see _fingerprint.WRAPS
+    _records_as = "dataset"  # see state.fingerprint.WRAPS
 
     def __init__(self, dataset: Any, faults: dict[int, Fault], state_dir: str | os.PathLike[str]):
         self.dataset = dataset
@@ -374,7 +374,7 @@ class FaultyStream(IterableDataset):
     records the wrapped stream (class, ``fingerprint()``), as for ``FaultyDataset``.
     """
 
-    _records_as = "stream"  # see _fingerprint.WRAPS
+    _records_as = "stream"  # see state.fingerprint.WRAPS
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ it hands the caller what the reorder buffer releases. ``SingleProcessIter``
 An iterator reads nothing of its loader but the ``EpochSetup`` the loader gives it: the
 loader's settings for the epoch and the few hooks it lends (its length, the fast-forward
 warning, a supervisor, dropping a persistent pool that broke). Both iterators live by
-``_lifecycle``: their position is a ``Cursor`` that outlives them.
+``loader.lifecycle``: their position is a ``Cursor`` that outlives them.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class EpochSetup:
 
 
 # KeyboardInterrupt and SystemExit (a SIGTERM handler calling sys.exit) are not errors of the
-# data: raised inside next(), they end the iterator (see _lifecycle), and the batch being
+# data: raised inside next(), they end the iterator (see loader.lifecycle), and the batch being
 # loaded is not counted as delivered.
 _INTERRUPTS = (KeyboardInterrupt, SystemExit)
 _INTERRUPTED = "interrupted inside next() (KeyboardInterrupt or SystemExit)"
@@ -121,7 +121,7 @@ def _fresh(err: BaseException) -> BaseException:
 
 
 class BaseIter:
-    """What both iterators share: the lifecycle (see ``_lifecycle``) and the cursor."""
+    """What both iterators share: the lifecycle (see ``loader.lifecycle``) and the cursor."""
 
     _cursor: Cursor
     _finalizer: Any

@@ -3,7 +3,7 @@
 Task ids are the positions of batches in the epoch (``next_tid`` is the next new one). A task
 is *outstanding* from the moment it is drawn until its result reaches the main process.
 
-Which tasks there are and whom they go to is the task source's (``_tasks``): torch's turns
+Which tasks there are and whom they go to is the task source's (``pipeline.tasks``): torch's turns
 while the workers are healthy (task i to worker i mod n, passing over a stream worker whose
 shard ran dry), so ``get_worker_info().id`` inside a batch is what torch's loader would give.
 They deviate only to recover: a dead map-style worker's tasks are queued here (``resend``) and
@@ -89,7 +89,7 @@ class Dispatcher:
     """The table of outstanding tasks, and the sending of tasks and epochs.
 
     What the tasks are, whom they go to and what a death does to them is the task source's
-    (``_tasks``: map-style or stream); the dispatcher keeps where each task is.
+    (``pipeline.tasks``: map-style or stream); the dispatcher keeps where each task is.
 
     Args:
         sup: the supervisor (its slots, ``send``).

@@ -35,7 +35,7 @@ from .protocol import (
     StreamResume,
 )
 
-# The messages and statuses are in _protocol; these names stay importable from here.
+# The messages and statuses are in pipeline.protocol; these names stay importable from here.
 OK, ERROR, END = Status.OK, Status.ERROR, Status.END
 
 # Stream state snapshots may cost at most this fraction of the fetch time: a state that is

@@ -2,7 +2,8 @@
 
 Every message is a named tuple of this module (picklable by reference: workers under spawn and
 forkserver import it too), sent over the worker's two pipes -- the two sent once per batch as
-plain tuples (``TaskMsg``: see ``_taskpipe``; ``Result``: ``result_to_wire``), cheaper to pickle:
+plain tuples (``TaskMsg``: see ``transport.taskpipe``; ``Result``: ``result_to_wire``),
+cheaper to pickle:
 
     main ──(Epoch | TaskMsg | Stop)──► task pipe ──► worker
     worker ──► result socket ──(Booted | Ready | InitError | Started | Result)──► main
@@ -70,7 +71,7 @@ class TaskMsg(NamedTuple):
 
     ``grant``: the loader's pooled segment the batch may be collated into (its id; -1: none
     this time; None: the loader has no pool, the worker keeps its own). See
-    ``_transport.LoaderPool``."""
+    ``pipeline.transport.LoaderPool``."""
 
     gen: int
     tid: int

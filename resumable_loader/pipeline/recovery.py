@@ -39,7 +39,7 @@ from .supervisor.supervisor import Supervisor
 
 log = logging.getLogger("resumable_loader")
 
-# The statuses recovery decides (see _protocol.Status), importable from here too.
+# The statuses recovery decides (see pipeline.protocol.Status), importable from here too.
 POISON, SKIPPED = Status.POISON, Status.SKIPPED
 
 

@@ -1,6 +1,6 @@
 """Where an epoch's tasks come from, and what their results advance: one interface, two sources.
 
-The dispatcher (``_dispatch``) keeps the table of outstanding tasks and sends them; a task
+The dispatcher (``pipeline.dispatch``) keeps the table of outstanding tasks and sends them; a task
 source decides what the tasks are, and owns everything that differs between map-style datasets
 and streams:
 

@@ -348,7 +348,7 @@ class _WorkerLoop:
         self.custom_collate = spec.collate_fn not in (default_collate, default_convert)
         # Pooled segments: the loader's, lent task by task (TaskMsg.grant); a worker whose
         # loader has no pool keeps its share of the window and the caller's batch itself
-        # (see _transport.SegmentPool).
+        # (see transport.pools.SegmentPool).
         self.shm = _transport.ShmPolicy(spec.prefetch_factor + 1)
         self.shm_ok = True  # the batch being built may use /dev/shm (ShmPolicy.allow)
         self.grants: dict[int, int] = {}  # task id -> the loader's segment lent for it
@@ -445,7 +445,7 @@ class _WorkerLoop:
         shm.take_grant(self.grants.pop(tid, None), self.result_conn)
         self.shm_ok = shm.allow()
         # A batch that will be packed into one segment is collated out of /dev/shm: its
-        # storages are copied into the segment anyway (see _transport._place).
+        # storages are copied into the segment anyway (see transport.reducers).
         # A pooled segment takes them all as they lie.
         fetcher.shared = self.shm_ok and (shm.pooled or not shm.packing)
         if not shm.large and not self.custom_collate:
@@ -502,7 +502,7 @@ class _WorkerLoop:
     def _send_result(self, tid: int, msg: Result) -> bool:
         """Send; False when the main process is gone. ``msg`` is the batch's only owner here:
         sent, then dropped by the caller, it is freed at once -- nothing on this path may keep
-        a reference or form a cycle with it (see _transport)."""
+        a reference or form a cycle with it (see pipeline.transport)."""
         try:
             # Tagged with its task: one the main process cannot rebuild can still be named.
             wire = result_to_wire(msg)

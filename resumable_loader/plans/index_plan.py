@@ -12,7 +12,7 @@ source of task indices that can start at any position:
   together with the indices of batches drawn but not yet consumed.
 * ``distributed``: torch's ``DistributedSampler`` (batched by torch's ``BatchSampler`` or
   unbatched). Its order is recomputed from (its seed, its epoch) and the levels of a resume on
-  another number of ranks (see ``_distributed``): the state is O(1) per rank, and a state can be
+  another number of ranks (see ``state.ranks``): the state is O(1) per rank, and a state can be
   re-cut for another world size.
 * ``fastforward``: any other sampler; on resume its iterator is re-created and ``position``
   tasks are drawn and discarded (no data is fetched). O(position) sampler steps; exact when the
@@ -274,7 +274,7 @@ class _SeededDraws(Iterator[Any]):
 class _BuiltinEpoch(Iterator[Any]):
     """Random access into one epoch's order: task ``t`` is computed, not iterated to.
 
-    With a ``cut`` (see ``_cursor``), the tasks are the batches of the rest of the epoch it
+    With a ``cut`` (see ``state.cursor``), the tasks are the batches of the rest of the epoch it
     names, cut from its start; task ``t`` is still computed, in O(log holes) per sample."""
 
     __slots__ = ("_bs", "_cut", "_left", "_n", "_ntasks", "_order", "_pos")

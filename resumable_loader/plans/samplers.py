@@ -208,7 +208,7 @@ def _position(state: Any, what: str) -> int:
 
 # ---- an epoch's order, named in plain data --------------------------------------------------
 # A data plan that changed its weights inside a shuffled epoch keys the rest of that epoch by
-# each sample's place in the epoch's order (see ``_mixture``). It names the order in its state,
+# each sample's place in the epoch's order (see ``plans.mixture``). It names the order in its state,
 # so that a worker, a resumed job and an uninterrupted reference all compute the same one.
 ORDER_RANDOM = "random"  # ours or torch's RandomSampler, without replacement, one pass
 ORDER_DISTRIBUTED = "distributed"  # torch's DistributedSampler(shuffle=True): before its cut

@@ -1,7 +1,7 @@
 """The sample cursor: where an epoch stands in samples, whatever batch size cut it.
 
 An epoch of a built-in sampler is an order of ``n`` positions (``range(n)`` or a seeded
-permutation, see ``_sampling``). Cut into batches of ``b`` from position 0, "``k`` batches
+permutation, see ``plans.index_plan``). Cut into batches of ``b`` from position 0, "``k`` batches
 consumed" means "positions ``[0, k*b)`` consumed". That is the common case, and the state
 keeps it so (``consumed`` counts batches). Another batch size at a resume, or a skip, moves the
 cut: the rest of the epoch is then

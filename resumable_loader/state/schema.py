@@ -2,7 +2,7 @@
 
 ``ResumePoint`` is the one reader and the one writer: ``to_state`` writes the plain dict that
 ``state_dict()`` returns, and ``from_state`` validates one and reads it back (the round trip is
-the identity). The bytes of a state file are ``_codec``'s business.
+the identity). The bytes of a state file are ``state.codec``'s business.
 
 A state is a dict of plain data (None/bool/int/float/str/bytes/list/dict with str keys): it
 survives ``torch.save`` + ``torch.load(weights_only=True)``, json (when the dataset's own state
@@ -39,14 +39,14 @@ is json-able) and msgpack (``dump_state``). Keys:
                           size or a skip moved the cut: {start, holes}: the rest of the epoch
                           is its positions [start, n) minus holes [[first, count], ...]
                           (delivered ahead), and ``consumed``/``delivered_ahead`` count the
-                          batches of *that* rest (see ``_cursor``). Absent: cut from position 0
+                          batches of *that* rest (see ``state.cursor``). Absent: cut from position 0
     sampler_generator     a fast-forwarded sampler's own generator (SubsetRandomSampler(...,
                           generator=g)): its state at the epoch's start (inside an epoch) or
                           now (between epochs); absent for other samplers
     data_plan             a ``Mixture`` dataset's own state (its seed, weights history and
                           sources' names, lengths and fingerprints); absent for other datasets
     dataset               the data the state was taken on: {class, fingerprint} (its length is
-                          config.dataset_len; see ``_fingerprint``). Absent in states written
+                          config.dataset_len; see ``state.fingerprint``). Absent in states written
                           before dataset checks: their class and fingerprint are not checked
     distributed           torch's DistributedSampler only: {sampler_epoch, history, ended}:
                           the sampler epoch the loader delivers next (inside an epoch, the one
@@ -56,7 +56,7 @@ is json-able) and msgpack (``dump_state``). Keys:
                           took]], ...]), and whether the state was taken right after epoch
                           ``sampler_epoch - 1`` was delivered to its end, the sampler still set
                           to it (absent in states written before it was recorded: see
-                          ``_distributed.settle``)
+                          ``state.ranks.settle``)
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ KNOWN_KEYS = (
 # streams (a map-style batch does not depend on which worker loads it; a stream's shards do, and
 # its position is in fetches). A map-style state's batch size may differ: the loader re-cuts the
 # position in samples where its sampler allows it (``DataLoader.load_state_dict``). dataset_len
-# is checked with the rest of the data (``_fingerprint``): a load may opt to continue past it.
+# is checked with the rest of the data (``state.fingerprint``): a load may opt to continue past it.
 MUST_MATCH = (
     "dataset_kind",
     "drop_last",
@@ -218,9 +218,9 @@ class ResumePoint:
     ended: bool | None = None
     plan: dict[str, Any] | None = None
     sampler_rng: str | None = None
-    cut: Cut | None = None  # the rest of the epoch as positions (see ``_cursor``)
+    cut: Cut | None = None  # the rest of the epoch as positions (see ``state.cursor``)
     skipped_samples: list[list[int]] = field(default_factory=list)
-    dataset: dict[str, Any] | None = None  # the data's record (``_fingerprint.record``)
+    dataset: dict[str, Any] | None = None  # the data's record (``state.fingerprint.record``)
     # The batch size ``consumed`` and ``ahead`` count in: the state's config.batch_size, as read.
     batch: int | None = field(default=None, compare=False)
     # Whether the state's batches came from a batch_sampler passed to the loader (its
@@ -230,7 +230,8 @@ class ResumePoint:
     iterable: bool = False
     distributed: bool = False
     source: dict[str, Any] | None = field(default=None, compare=False)  # the state read
-    # How the data differs from the state's (``_fingerprint.changes``), when the load allowed it.
+    # How the data differs from the state's (``state.fingerprint.changes``), when the load
+    # allowed it.
     dataset_changes: list[str] = field(default_factory=list, compare=False)
 
     def per_task(self) -> int | None:
@@ -398,7 +399,7 @@ def parse_state(
     Pure: reads ``sd`` only, changes nothing.
 
     Args:
-        dataset: the loader's record of its data (``_fingerprint.record``); None compares the
+        dataset: the loader's record of its data (``state.fingerprint.record``); None compares the
             length alone.
         dataset_change_ok: read a state taken on other data (``on_dataset_change="continue"``):
             the changes are in ``dataset_changes`` of the result. Otherwise they are refused.

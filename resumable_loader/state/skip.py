@@ -1,14 +1,14 @@
 """``skip_samples``: a loader state ``n`` samples further along its stream, reading nothing.
 
 After a loss spike a job wants to go on *past* the samples that caused it, without loading
-them. The position of a map-style loader is a sample cursor (``_cursor``), so a skip is
+them. The position of a map-style loader is a sample cursor (``state.cursor``), so a skip is
 arithmetic on the state, done offline -- on a checkpoint file, before any loader exists:
 
 * built-in samplers (``shuffle=False/True``, a ``Mixture`` under them): the epoch's rest is
   cut ``n`` samples later (``sample_cut``); the next ``iter()`` starts there, with the loader's
   batch size. O(1) (O(holes) with batches delivered ahead).
 * torch's ``DistributedSampler``: the job's global state (every rank's position) opens a level
-  (``_distributed``) for the ranks' consumed samples and one more of world size 1 that takes
+  (``state.ranks``) for the ranks' consumed samples and one more of world size 1 that takes
   the next ``n`` samples of the global stream: any number of ranks then resumes after them.
   O(number of ranks + levels).
 * streams, user batch samplers, stateful user samplers and replayed samplers: refused (see

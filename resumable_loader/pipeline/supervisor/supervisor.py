@@ -308,7 +308,7 @@ class Supervisor:
             msg = msg._replace(grant=self._grant(slot, msg))
         try:
             if type(msg) is TaskMsg:
-                send_task(slot.task_conn.fileno(), msg)  # the per-batch one: see _taskpipe
+                send_task(slot.task_conn.fileno(), msg)  # the per-batch one: see transport.taskpipe
             else:
                 slot.task_conn.send(msg)
             return True
