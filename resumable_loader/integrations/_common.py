@@ -136,8 +136,10 @@ def shard(
     elif type(sampler) in (RandomSampler, OurRandomSampler, SequentialSampler):
         # (ours: what shuffle=True hands out, carrying the loader's seed chain)
         shuffle = type(sampler) is not SequentialSampler
-        given = random_sampler_num_samples(sampler)
-        if shuffle and (sampler.replacement or given is not None):  # type: ignore[attr-defined]
+        if shuffle and (
+            sampler.replacement  # type: ignore[attr-defined]
+            or random_sampler_num_samples(sampler) is not None
+        ):
             raise ValueError(
                 "cannot share a RandomSampler with replacement=True or num_samples over "
                 "processes; pass a DistributedSampler of your own"
