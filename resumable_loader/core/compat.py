@@ -16,7 +16,7 @@ import importlib
 import random
 import sys
 from collections.abc import Callable
-from operator import attrgetter
+from operator import attrgetter, methodcaller
 from typing import Any
 
 # What pyproject.toml declares; keep the two in step.
@@ -227,11 +227,10 @@ def set_worker_signal_handlers() -> None:
 
 
 def storage_share_fd() -> Callable[[Any], tuple[int, int]]:
-    """``UntypedStorage._share_fd_cpu_``, unbound: ``f(storage)`` moves the storage into shared
-    memory if it is not there and returns (its fd, its size); the fd stays the storage's."""
-    import torch
-
-    return torch.UntypedStorage._share_fd_cpu_
+    """``f(storage)``: ``storage._share_fd_cpu_()``, which moves the storage into shared memory
+    if it is not there and returns (its fd, its size); the fd stays the storage's. Looked up on
+    the storage at each call (in C): ``testing.ShmFailure`` replaces it in a worker."""
+    return methodcaller("_share_fd_cpu_")
 
 
 def storage_from_fd() -> Callable[[int, int], Any]:
@@ -243,11 +242,9 @@ def storage_from_fd() -> Callable[[int, int], Any]:
 
 
 def storage_shared_decref() -> Callable[[Any], Any]:
-    """``UntypedStorage._shared_decref``, unbound: gives back the reference the shm manager
-    took when the storage was shared for sending."""
-    import torch
-
-    return torch.UntypedStorage._shared_decref
+    """``f(storage)``: ``storage._shared_decref()``, which gives back the reference the shm
+    manager took when the storage was shared for sending."""
+    return methodcaller("_shared_decref")
 
 
 def storage_identity() -> Callable[[Any], int]:

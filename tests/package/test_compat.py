@@ -132,3 +132,11 @@ def test_the_tensor_and_rng_accessors() -> None:
     assert _compat.random_sampler_num_samples(torch.utils.data.RandomSampler(range(5))) is None
     given = torch.utils.data.RandomSampler(range(5), num_samples=3)
     assert _compat.random_sampler_num_samples(given) == 3
+
+
+def test_sharing_goes_through_a_replaced_share_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    # testing.ShmFailure replaces _share_fd_cpu_ in a worker after the transport bound its
+    # accessor at import: the accessor must still reach the replacement.
+    share = _compat.storage_share_fd()
+    monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", lambda self: (-1, 0))
+    assert share(torch.UntypedStorage(8)) == (-1, 0)
