@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ..core.compat import random_sampler_num_samples
 from ..core.errors import CheckpointError
 from ..loader.dataloader import DataLoader
 from ..plans.samplers import BatchSampler as OurBatchSampler
@@ -135,7 +136,10 @@ def shard(
     elif type(sampler) in (RandomSampler, OurRandomSampler, SequentialSampler):
         # (ours: what shuffle=True hands out, carrying the loader's seed chain)
         shuffle = type(sampler) is not SequentialSampler
-        if shuffle and (sampler.replacement or sampler._num_samples is not None):  # type: ignore[attr-defined]
+        if shuffle and (
+            sampler.replacement  # type: ignore[attr-defined]
+            or random_sampler_num_samples(sampler) is not None
+        ):
             raise ValueError(
                 "cannot share a RandomSampler with replacement=True or num_samples over "
                 "processes; pass a DistributedSampler of your own"

@@ -43,9 +43,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 import torch
 
-from ..loader.dataloader import DataLoader
+from ..loader.dataloader import DataLoader, has_exact_length, own_rank_state, took_last_batch
 from ..loader.hf_streams import warn_shuffle_buffer
-from ..plans.index_plan import BUILTIN, DISTRIBUTED
 from ..state.ranks import called_by_dcp, gather, merge_rank_states
 from . import _common
 
@@ -61,23 +60,6 @@ def state_file_name(index: int) -> str:
     """The file, inside an ``accelerator.save_state`` folder, of the ``index``-th loader
     prepared with ``prepare_data_loader`` (0 for the first)."""
     return f"resumable_loader_{index}.state"
-
-
-# Samplers whose epoch length is exact: whether a batch is the epoch's last is known when it
-# is taken, with nothing fetched ahead.
-_EXACT_LENGTH = (BUILTIN, DISTRIBUTED)
-
-
-def _known_last(loader: DataLoader[Any]) -> bool | None:
-    """Whether the batch just taken was its epoch's last: True or False where the loader
-    knows (an exact length, or a stream whose every shard already ran dry), None where only
-    taking the next batch can tell."""
-    cursor = loader._cursor
-    if cursor is None or cursor.finished:
-        return None
-    if loader._delivered_to_its_end(cursor.position()):
-        return True
-    return False if loader._plan.kind in _EXACT_LENGTH else None
 
 
 def _remainder(loader: DataLoader[Any], world: int) -> int:
@@ -126,24 +108,24 @@ class _Epoch(Iterator[Any]):
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        exact = loader._plan.kind in _EXACT_LENGTH
+        exact = has_exact_length(loader)
         if self._ahead:
             batch = self._ahead.pop()
         else:
             # The caller's position without this batch: what the state says until the
             # look-ahead below returns (a Ctrl-C in it never hands this batch out).
-            before = None if exact else loader._rank_state()
+            before = None if exact else own_rank_state(loader)
             try:
                 batch = next(self._it)
             except StopIteration:
                 self._end()
                 raise
             loader._held_state = before
-        last = _known_last(loader)
+        last = took_last_batch(loader)
         held = None  # the caller's position once it has this batch, while one is held ahead
         if last is None:
             # (the loader's own state, without the checks and the warning of state_dict())
-            after = loader._rank_state()
+            after = own_rank_state(loader)
             try:
                 self._ahead.append(next(self._it))
                 held, last = after, False

@@ -14,6 +14,10 @@ changes the loader -- installs it; the position is continued at the next ``iter(
 ``state_dict()`` describes what the caller consumed -- never what was prefetched -- so a loader
 built the same way and given that state yields exactly the batches the uninterrupted run would
 have yielded next.
+
+A framework that runs the loader's epochs itself (``integrations/``) asks three questions torch's
+``DataLoader`` has no method for; the functions at the end of this module answer them (see
+"frameworks" there): the integrations read no private name of the loader.
 """
 
 from __future__ import annotations
@@ -413,10 +417,6 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             )
         )
 
-    def _delivered_to_its_end(self, rp: S.ResumePoint) -> bool:
-        """Whether every batch of ``rp``'s epoch was delivered (``state_out``)."""
-        return delivered_to_its_end(self._plan, rp)
-
     def load_state_dict(
         self, state_dict: dict[str, Any], *, on_dataset_change: str = "raise"
     ) -> None:
@@ -531,6 +531,43 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---- frameworks: what an integration may ask beyond torch's API ----
+# accelerate announces an epoch's end before its last batch is handed out, and takes a batch
+# ahead to find that end where the length is not exact; its integration then needs the state
+# without the batch it holds. Functions of this module rather than methods: a method would be
+# public API that torch's DataLoader lacks (a drop-in replacement adds none), and a user's
+# subclass could shadow it. Here, beside the class, they read its private attributes; the
+# integrations call them and read none (issue #32, tests/package/test_layers.py).
+
+# Samplers whose epoch length is exact: whether a batch is the epoch's last is known when it
+# is taken, with nothing fetched ahead.
+_EXACT_LENGTH = (BUILTIN, DISTRIBUTED)
+
+
+def has_exact_length(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader``'s epochs have an exact length (torch's own samplers, with or without
+    a ``DistributedSampler``): a stream's or a sampler of the user's does not."""
+    return loader._plan.kind in _EXACT_LENGTH
+
+
+def took_last_batch(loader: DataLoader[Any]) -> bool | None:
+    """Whether the batch just taken from ``loader`` was its epoch's last: True or False where
+    the loader knows (an exact length, or a stream whose every shard already ran dry), None
+    where only taking the next batch can tell."""
+    cursor = loader._cursor
+    if cursor is None or cursor.finished:
+        return None
+    if delivered_to_its_end(loader._plan, cursor.position()):
+        return True
+    return False if has_exact_length(loader) else None
+
+
+def own_rank_state(loader: DataLoader[Any]) -> dict[str, Any]:
+    """This rank's own state of ``loader`` -- what ``state_dict()`` gives outside
+    ``torch.distributed.checkpoint`` -- without its checks and warning (``state_out``)."""
+    return loader._rank_state()
 
 
 __all__ = ["DataLoader", "RetryPolicy"]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.utils.data._utils import worker as torch_worker
 
+from ..core.compat import set_worker_signal_handlers
 from ..plans.mixture import follow_epoch
 from ..state.seeds import (
     STREAM,
@@ -136,7 +137,7 @@ def worker_main(spec: WorkerSpec, task_conn: Any, result_conn: Any) -> None:
     signal.signal(signal.SIGCONT, signal.SIG_DFL)  # the main process's pause hook (under fork)
     signal.signal(signal.SIGTERM, _terminate_at_a_safe_point)
     try:
-        torch._C._set_worker_signal_handlers()  # prints a clear message on SIGSEGV/SIGBUS
+        set_worker_signal_handlers()  # prints a clear message on SIGSEGV/SIGBUS
     except Exception:
         pass
     torch.set_num_threads(1)

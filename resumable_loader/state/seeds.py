@@ -31,7 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.compat import python_random_instance
+from ..core.compat import (
+    memmove_address,
+    numpy_bit_generator,
+    numpy_global_rng,
+    python_random_instance,
+)
 
 SAMPLER = 1
 WORKER = 2
@@ -192,7 +197,7 @@ _NP_WORDS = struct.Struct("=624Ii")  # numpy's mt19937_state: uint32 key[624], t
 # Holds the GIL while copying (a CFUNCTYPE would release it, and another thread could see half a
 # state); string_at is already such a function.
 _memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
-    ctypes._memmove_addr  # type: ignore[attr-defined]
+    memmove_address()
 )
 
 
@@ -223,8 +228,8 @@ def _np_state_ok() -> bool:
         a: Any = np.random.RandomState(12345)
         b: Any = np.random.RandomState(678)
         a.random_sample()
-        addr_a = a._bit_generator.ctypes.state_address
-        addr_b = b._bit_generator.ctypes.state_address
+        addr_a = numpy_bit_generator(a).ctypes.state_address
+        addr_b = numpy_bit_generator(b).ctypes.state_address
         words = _NP_WORDS.unpack(ctypes.string_at(addr_a, _MT_BYTES))
         _, key, pos, _, _ = a.get_state()
         if words[:624] != tuple(key.tolist()) or words[624] != pos:
@@ -343,8 +348,7 @@ class FetchRngs:
 
     def __enter__(self) -> FetchRngs:
         inst: Any = python_random_instance()
-        rand: Any = np.random.mtrand._rand
-        bg = rand._bit_generator
+        rand, bg = numpy_global_rng()
         if inst is not self._inst or rand is not self._np_rand or bg is not self._np_bg:
             self._look(inst, rand, bg)
         py_saved, np_saved, gauss_saved = self._saved

@@ -202,6 +202,136 @@ def test_no_module_reads_another_modules_private_names() -> None:
     assert not found, "\n".join(found)
 
 
+# ---- no object's private names read from outside its module ----
+# Stricter than the import check above: any ``obj._name`` (not ``self``/``cls``) whose
+# ``_name`` this module does not define itself -- a read of another module's object, or of
+# torch's, numpy's or Python's internals. torch's, numpy's and Python's private APIs are read
+# in ``core.compat`` alone, checked once at import; the integrations use the public loader.
+
+# Reads allowed anywhere: (the object as written, or "*" for any, attribute) -> why.
+ALLOWED_PRIVATE_READS: dict[tuple[str, str], str] = {
+    # Documented in Python's library reference, underscore and all: not private API.
+    ("sys", "_getframe"): "documented in the sys module's reference (the caller's frame)",
+    ("os", "_exit"): "documented in the os module's reference (exit without cleanup)",
+    # namedtuple's methods start with an underscore so that they cannot clash with a field.
+    ("*", "_replace"): "a namedtuple's documented method",
+    ("*", "_asdict"): "a namedtuple's documented method",
+    ("*", "_fields"): "a namedtuple's documented attribute",
+    ("*", "_make"): "a namedtuple's documented method",
+}
+# Modules allowed to read a framework's or library's private names: module -> {attribute: why}.
+ALLOWED_PRIVATE_READS_IN: dict[str, dict[str, str]] = {
+    # An integration runs the loader as the framework's own loaders run: accelerate's
+    # DataLoaderShard registers itself with these, and there is no public way to.
+    "resumable_loader.integrations.accelerate": {
+        "_add_dataloader": "accelerate's GradientState, as its DataLoaderShard calls it",
+        "_remove_dataloader": "accelerate's GradientState, as its DataLoaderShard calls it",
+    },
+}
+# The one module that reads torch's, numpy's and Python's private APIs: each is listed in its
+# PRIVATE_APIS (or the numpy/Python lists) with what it is for, and checked at import.
+COMPAT = "resumable_loader.core.compat"
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """The names a module defines itself: functions, classes, assigned names and attributes,
+    arguments, imports, and the strings of its ``__slots__``."""
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined.update(a.asname or a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "__slots__" for t in targets):
+                for const in ast.walk(node.value) if node.value is not None else ():
+                    if isinstance(const, ast.Constant) and isinstance(const.value, str):
+                        defined.add(const.value)
+    return defined
+
+
+def _foreign_private_reads(name: str, source: str) -> list[str]:
+    """Every ``obj._name`` in ``source`` (module ``name``) that reads a private name the module
+    does not define, less the allowed ones."""
+    if name == COMPAT:
+        return []
+    tree = ast.parse(source)
+    defined = _defined_names(tree)
+    allowed_here = ALLOWED_PRIVATE_READS_IN.get(name, {})
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        attr = node.attr
+        if not attr.startswith("_") or attr.startswith("__") or attr in defined:
+            continue
+        base = node.value
+        if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        written = ast.unparse(base)
+        if (written, attr) in ALLOWED_PRIVATE_READS or ("*", attr) in ALLOWED_PRIVATE_READS:
+            continue
+        if attr in allowed_here:
+            continue
+        found.append(f"{name}:{node.lineno}: reads {written}.{attr}")
+    return found
+
+
+def test_no_module_reads_a_private_name_it_does_not_define() -> None:
+    found = [
+        r for name, path in MODULES.items() for r in _foreign_private_reads(name, path.read_text())
+    ]
+    assert not found, (
+        "private names read across modules (torch's, numpy's and Python's go through "
+        "core/compat.py; the loader's through loader.dataloader's functions for frameworks):\n"
+        + "\n".join(found)
+    )
+
+
+def test_the_private_read_check_finds_a_read_of_another_objects_private_name() -> None:
+    source = (
+        "import sys, torch\n"
+        "class A:\n"
+        "    __slots__ = ('_mine',)\n"
+        "    def f(self, loader, other):\n"
+        "        self._own = sys._getframe(0)\n"
+        "        other._mine\n"
+        "        return loader._cursor, torch._neg_view, other._own, self._x\n"
+    )
+    assert _foreign_private_reads("resumable_loader.new_module", source) == [
+        "resumable_loader.new_module:7: reads loader._cursor",
+        "resumable_loader.new_module:7: reads torch._neg_view",
+    ]
+    # The framework's privates are allowed in its own integration only.
+    gradient = "def f(state, loader):\n    state._add_dataloader(loader)\n"
+    assert _foreign_private_reads("resumable_loader.integrations.accelerate", gradient) == []
+    assert _foreign_private_reads("resumable_loader.integrations.transformers", gradient) == [
+        "resumable_loader.integrations.transformers:2: reads state._add_dataloader"
+    ]
+
+
+def test_no_allowed_private_read_is_one_of_ours() -> None:
+    # The allow-lists name Python's documented names and a framework's: never our own modules'
+    # privates (those get a public door instead).
+    ours = {n.rsplit(".", 1)[-1] for n in MODULES} | {"loader", "resumable_loader"}
+    assert not {obj for obj, _ in ALLOWED_PRIVATE_READS} & ours
+    for name, attrs in ALLOWED_PRIVATE_READS_IN.items():
+        assert name.startswith("resumable_loader.integrations.")
+        for path in MODULES.values():
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Attribute, ast.Name)) and isinstance(node.ctx, ast.Store):
+                    stored = node.attr if isinstance(node, ast.Attribute) else node.id
+                    assert stored not in attrs, f"{stored} is ours: allow it nowhere"
+
+
 @pytest.mark.parametrize("layer", sorted(RANK, key=RANK.get))
 def test_a_layer_has_its_own_folder(layer: str) -> None:
     assert (PKG / layer / "__init__.py").is_file()

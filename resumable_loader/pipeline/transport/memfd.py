@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ...core.compat import set_shared_allocator
+from ...core.compat import set_shared_allocator, storage_from_fd
 
 _NAME = "resumable_loader-batch"
+_storage_from_fd = storage_from_fd()  # torch's, private (``core.compat``)
 
 
 def reserve(fd: int, nbytes: int, name: str) -> None:
@@ -59,7 +60,7 @@ def new_anonymous_shared(nbytes: int) -> torch.UntypedStorage:
         if nbytes:
             reserve(fd, nbytes, _NAME)
         # torch keeps a duplicate of the fd for the storage's life; ours is closed below.
-        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
+        return _storage_from_fd(fd, nbytes)
     finally:
         os.close(fd)
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ...core import compat
 from .memfd import reserve as reserve_pages
 
 # Storages packed into one segment start at multiples of this: a rebuilt tensor keeps the
@@ -86,9 +87,7 @@ class Segment:
     def __init__(self, sid: int, size: int) -> None:
         self.id = sid
         self.size = size  # bytes for batches, before the flag
-        self.storage: torch.UntypedStorage | None = torch.UntypedStorage._new_shared(
-            size + PACK_ALIGN
-        )
+        self.storage: torch.UntypedStorage | None = compat.new_shared(size + PACK_ALIGN)
         self.view = byte_view(self.storage)
         self.flag = self.view[size : size + 1]  # 1: the main process holds a batch in it
         self.base = self.storage.data_ptr()
@@ -323,7 +322,7 @@ class SegmentPool:
         return off if off >= 0 and off + storage.nbytes() <= seg.size else -1
 
 
-_torch_new_shared = torch.storage._StorageBase.__dict__["_new_shared"].__func__
+_torch_new_shared = compat.torch_new_shared()
 _worker_pool: SegmentPool | None = None  # this worker's (at most one per process)
 
 
@@ -370,11 +369,11 @@ def collating() -> Iterator[None]:
             pool.patience = min(POOL_WAIT_S, pool.patience + POOL_WAIT_S / 32)
         elif not pool.wait_given_back():
             pool.target = None  # the caller keeps that batch: a fresh segment, as without one
-    if "_new_shared" not in torch.UntypedStorage.__dict__:
+    if not compat.new_shared_replaced():
         # Installed once and kept: setting a class attribute per batch invalidated Python's
         # method caches for every storage type (a few microseconds a batch). Outside a
         # collate -- other threads, other times -- it defers to torch's own (``pool.thread``).
-        torch.UntypedStorage._new_shared = classmethod(_pooled_new_shared)  # type: ignore[assignment,method-assign]
+        compat.replace_new_shared(_pooled_new_shared)
     pool.thread = threading.get_ident()
     try:
         yield

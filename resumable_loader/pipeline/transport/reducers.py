@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
+from ...core import compat
 from .policy import (
     FdLimitError,
     ShmNote,
@@ -71,6 +72,15 @@ SOLO_MIN = 256 * 1024
 # pickle with their own arguments only: this is how they find it.
 _tls = threading.local()
 
+# torch's private storage and tensor APIs (``core.compat``), bound once: each is called per
+# storage or tensor of a batch.
+_storage_from_fd = compat.storage_from_fd()
+_share_fd = compat.storage_share_fd()
+_shared_decref = compat.storage_shared_decref()
+_storage_key = compat.storage_identity()
+_neg_view = compat.neg_view()
+_forking_reducers = compat.forking_pickler_reducers()
+
 
 # ---- storages and tensors: how each is reduced, and rebuilt ----
 
@@ -79,7 +89,7 @@ def _rebuild_fd_storage(index: int, nbytes: int) -> torch.UntypedStorage:
     fd = _tls.fds[index]
     _tls.used.add(index)
     try:
-        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)  # type: ignore[attr-defined]
+        return _storage_from_fd(fd, nbytes)
     finally:
         os.close(fd)
 
@@ -167,7 +177,7 @@ class Outbox:
         their segments would stay in /dev/shm until the shm manager exits with this run."""
         lent, self.lent = self.lent, []
         for storage in lent:
-            storage._shared_decref()
+            _shared_decref(storage)
 
 
 def _reduce_storage(out: Outbox, storage: torch.UntypedStorage) -> Any:
@@ -207,7 +217,7 @@ def _identity(storage: torch.UntypedStorage) -> int:
     distinct storages arrive as distinct copies, even where their memory overlapped in the
     worker; the tensors of one storage still share it on arrival. Unique only while the storage
     lives: a key is kept only next to a reference to its storage."""
-    return int(storage._cdata)
+    return int(_storage_key(storage))
 
 
 def _small_bytes(out: Outbox, storage: torch.UntypedStorage, nbytes: int) -> bytearray:
@@ -237,7 +247,7 @@ def _rebuild_conj(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _rebuild_neg(tensor: torch.Tensor) -> torch.Tensor:
-    return torch._neg_view(tensor)
+    return _neg_view(tensor)
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> Any:
@@ -252,7 +262,7 @@ def _reduce_tensor(tensor: torch.Tensor) -> Any:
     if tensor.is_conj():
         return (_rebuild_conj, (tensor.conj(),))
     if tensor.is_neg():
-        return (_rebuild_neg, (torch._neg_view(tensor),))
+        return (_rebuild_neg, (_neg_view(tensor),))
     out = _tls.out
     if (
         type(tensor) is torch.Tensor
@@ -315,7 +325,7 @@ def _place(out: Outbox) -> Any:
         for i in packed:
             offsets.append(total)
             total += -(-slots[i].nbytes() // PACK_ALIGN) * PACK_ALIGN
-        segment = torch.UntypedStorage._new_shared(total)
+        segment = compat.new_shared(total)
         dest = byte_view(segment)
         for i, off in zip(packed, offsets):
             n = slots[i].nbytes()
@@ -357,7 +367,7 @@ def _pool_info(out: Outbox) -> Any:
     new = None
     if seg is not None and not seg.announced:
         assert seg.storage is not None  # (the worker's own: granted ones are announced)
-        out.fds.append(seg.storage._share_fd_cpu_()[0])  # (owned by the segment's storage)
+        out.fds.append(_share_fd(seg.storage)[0])  # (owned by the segment's storage)
         new = (len(out.fds) - 1, seg.size)
     out.pool_sent = (new is not None, len(pool.retired))
     return (seg.id if seg is not None else -1, new, list(pool.retired), 0, False)
@@ -393,7 +403,7 @@ def _share(out: Outbox, storage: torch.UntypedStorage) -> Any:
         reduced = reduce_storage(storage)  # file_system: needs no live sender
         out.lent.append(storage)
         return reduced
-    fd, size = storage._share_fd_cpu_()
+    fd, size = _share_fd(storage)
     out.fds.append(fd)
     return (_rebuild_fd_storage, (len(out.fds) - 1, size))
 
@@ -416,7 +426,7 @@ _table_cache: list[Any] = [None, -1, -1]  # [table, len(copyreg's), len(ForkingP
 def _dispatch_table() -> dict[Any, Any]:
     import copyreg
 
-    extra: dict[Any, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    extra = _forking_reducers
     table, n_copyreg, n_extra = _table_cache
     if table is None or n_copyreg != len(copyreg.dispatch_table) or n_extra != len(extra):
         table = dict(copyreg.dispatch_table)
