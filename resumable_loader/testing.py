@@ -497,6 +497,9 @@ class ShmFailure:
                 f"</torch_{os.getpid()}_injected_{n}>: No space left on device (28)"
             )
 
+        copying = _count_shared_copies(
+            fail if self.where in ("share", "both") else None, lambda: error(seen[0])
+        )
         if self.where in ("alloc", "both"):
             from .core.compat import set_shared_allocator, shared_allocator
 
@@ -504,7 +507,7 @@ class ShmFailure:
                 original = shared_allocator(strategy)  # bound to the class
 
                 def new(cls: Any, size: int, _original: Any = original) -> Any:
-                    if fail(size):
+                    if not copying[0] and fail(size):
                         raise error(seen[0])
                     return _original(size)
 
@@ -533,6 +536,31 @@ class ShmFailure:
                 setattr(storage_cls, name, share)
         if self.then is not None:
             self.then(worker_id)
+
+
+def _count_shared_copies(
+    fail: Callable[[int], bool] | None, error: Callable[[], RuntimeError]
+) -> list[bool]:
+    """For ``ShmFailure``: the transport copies an ordinary storage into shared memory itself
+    to send it (``reducers.shared_copy``) where torch's sharing would move it. That copy is a
+    "share" allocation, failing where ``fail(nbytes)`` says (None: never), counted once; the
+    allocation inside it is not an "alloc" one. Returns the flag that is set while inside."""
+    from .pipeline.transport import reducers
+
+    copying = [False]
+    original = reducers.shared_copy
+
+    def shared_copy(out: Any, storage: Any) -> Any:
+        if fail is not None and fail(storage.nbytes()):
+            raise error()
+        copying[0] = True
+        try:
+            return original(out, storage)
+        finally:
+            copying[0] = False
+
+    reducers.shared_copy = shared_copy
+    return copying
 
 
 # ---- leak checks ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 import torch
 from torch.utils.data import Dataset
 
@@ -56,6 +57,29 @@ def test_a_batch_from_a_worker_lives_in_a_memfd_not_in_dev_shm() -> None:
     # torch's allocator would map /dev/shm/torch_<pid>_... (named until it unlinks it); ours is
     # an anonymous memory file, which has no name in /dev/shm at any moment.
     loader = DataLoader(_Big(), batch_size=4, num_workers=1)
+    batch = next(iter(loader))
+    where = _mapped_from(batch.data_ptr())
+    del batch
+    loader.close()
+    assert where.startswith("/memfd:resumable_loader"), where
+
+
+def _stack_privately(samples: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(samples)  # a collate_fn whose output is not in shared memory
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param(dict(batch_size=None), id="the-sample-itself"),
+        pytest.param(dict(batch_size=4, collate_fn=_stack_privately), id="own-collate"),
+    ],
+)
+def test_a_batch_made_outside_shared_memory_still_travels_in_a_memfd(how: dict) -> None:
+    # The worker's batch is in its private memory: torch's _share_fd_cpu_ would move it into a
+    # segment of its own making, named in /dev/shm until it unlinks it (a kill in between leaves
+    # the name); it is copied into an anonymous one instead, as a collate's output is made.
+    loader = DataLoader(_Big(), num_workers=1, **how)
     batch = next(iter(loader))
     where = _mapped_from(batch.data_ptr())
     del batch
