@@ -12,7 +12,7 @@ from torch.utils.data import Dataset
 
 from resumable_loader import DataLoader
 from resumable_loader.pipeline.transport.memfd import new_anonymous_shared
-from resumable_loader.testing import canonical, kill_at
+from resumable_loader.testing import Resources, canonical, kill_at, leaks_since
 
 MiB = 1 << 20
 
@@ -97,11 +97,13 @@ def test_workers_killed_mid_epoch_again_and_again_leave_no_name_in_dev_shm() -> 
     ref = make()
     want = [canonical(b) for b in ref]
     ref.close()
-    before = _torch_names()
+    before = Resources.now()
     loader = make()
     plan = {n: [(n % 2, signal.SIGKILL)] for n in range(len(want) - 1)}
     got = [canonical(b) for b in kill_at(loader, plan)]
     assert loader.statistics().respawns >= 6  # a kill may land on a worker already dying
     loader.close()
     assert got == want
-    assert _torch_names() - before == set()
+    # Judged as the suite's leak check judges: /dev/shm is the machine's, and another job's
+    # names may appear meanwhile.
+    assert [p for p in leaks_since(before) if p.startswith("/dev/shm")] == []
