@@ -24,6 +24,7 @@ import json
 import os
 import signal
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -587,8 +588,6 @@ class Resources:
 
     @classmethod
     def now(cls) -> Resources:
-        import threading
-
         import psutil
 
         _watch_shm_births()  # first: its fd is in the snapshot, and new names are judged
@@ -674,8 +673,6 @@ class _ShmBirths:
     in /dev/shm since the watch began, for as long as each name exists."""
 
     def __init__(self, fd: int) -> None:
-        import threading
-
         self.fd = fd  # an inotify instance watching /dev/shm (non-blocking)
         self.lock = threading.Lock()
         self.verdicts: dict[str, bool] = {}
@@ -740,26 +737,30 @@ class _ShmBirths:
 
 _births: _ShmBirths | None = None
 _births_tried = False
+_births_start = threading.Lock()  # (two threads checking at once start one watch)
 
 
 def _watch_shm_births() -> None:
     """Start the watch, once per process."""
     global _births, _births_tried
-    if not _births_tried:
-        _births_tried = True
-        _births = _ShmBirths.start()
-    if _births is not None:
-        _births.read()
+    with _births_start:
+        if not _births_tried:
+            _births_tried = True
+            _births = _ShmBirths.start()
+        births = _births
+    if births is not None:
+        births.read()
 
 
 def _forget_births_in_child() -> None:
     # A forked child has the watch's fd but not its thread: it closes the fd (a worker must not
     # keep it) and would start a watch of its own if it checked for leaks.
-    global _births, _births_tried
+    global _births, _births_start, _births_tried
     if _births is not None:
         with contextlib.suppress(OSError):
             os.close(_births.fd)
     _births, _births_tried = None, False
+    _births_start = threading.Lock()  # (another thread may have held it at the fork)
 
 
 if hasattr(os, "register_at_fork"):
