@@ -19,10 +19,12 @@ respawned worker sees how often a sample already crashed):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -496,6 +498,9 @@ class ShmFailure:
                 f"</torch_{os.getpid()}_injected_{n}>: No space left on device (28)"
             )
 
+        copying = _count_shared_copies(
+            fail if self.where in ("share", "both") else None, lambda: error(seen[0])
+        )
         if self.where in ("alloc", "both"):
             from .core.compat import set_shared_allocator, shared_allocator
 
@@ -503,7 +508,7 @@ class ShmFailure:
                 original = shared_allocator(strategy)  # bound to the class
 
                 def new(cls: Any, size: int, _original: Any = original) -> Any:
-                    if fail(size):
+                    if not copying[0] and fail(size):
                         raise error(seen[0])
                     return _original(size)
 
@@ -534,6 +539,31 @@ class ShmFailure:
             self.then(worker_id)
 
 
+def _count_shared_copies(
+    fail: Callable[[int], bool] | None, error: Callable[[], RuntimeError]
+) -> list[bool]:
+    """For ``ShmFailure``: the transport copies an ordinary storage into shared memory itself
+    to send it (``reducers.shared_copy``) where torch's sharing would move it. That copy is a
+    "share" allocation, failing where ``fail(nbytes)`` says (None: never), counted once; the
+    allocation inside it is not an "alloc" one. Returns the flag that is set while inside."""
+    from .pipeline.transport import reducers
+
+    copying = [False]
+    original = reducers.shared_copy
+
+    def shared_copy(out: Any, storage: Any) -> Any:
+        if fail is not None and fail(storage.nbytes()):
+            raise error()
+        copying[0] = True
+        try:
+            return original(out, storage)
+        finally:
+            copying[0] = False
+
+    reducers.shared_copy = shared_copy
+    return copying
+
+
 # ---- leak checks ------------------------------------------------------------------------------
 # multiprocessing's own long-lived helpers are not a loader's to clean up.
 _MP_HELPERS = ("forkserver", "resource_tracker", "semaphore_tracker")
@@ -558,10 +588,9 @@ class Resources:
 
     @classmethod
     def now(cls) -> Resources:
-        import threading
-
         import psutil
 
+        _watch_shm_births()  # first: its fd is in the snapshot, and new names are judged
         children = set()
         for child in psutil.Process().children(recursive=True):
             try:
@@ -587,11 +616,26 @@ class Resources:
 def _made_by_us(shm_name: str) -> bool:
     """Whether a ``torch_<pid>_...`` segment was made by this process tree.
 
-    /dev/shm is the whole machine's: another test run's live workers hold segments too. torch
-    names a segment after the process that made it. Ours are made by this process or its
-    descendants (workers, under fork, spawn or forkserver); a maker that is gone is counted
-    as ours (a killed worker's leftovers are exactly what this check is for).
+    /dev/shm is the whole machine's: another test run's or job's workers make segments too.
+    torch names a segment after the process that made it. Ours are made by this process or its
+    descendants (workers, under fork, spawn or forkserver). Where the maker was seen when the
+    name appeared (``_ShmBirths``), that verdict stands: the maker may be gone by now, and
+    another job's dead worker (killed, or ended while its main process still holds a batch, as
+    under file_system) must not count as ours. A name not seen appearing is judged now, and a
+    maker that is gone is then counted as ours (a killed worker's leftovers are exactly what
+    this check is for).
     """
+    births = _births
+    if births is not None:
+        verdict = births.verdict(shm_name)
+        if verdict is not None:
+            return verdict
+    return _maker_is_ours(shm_name)
+
+
+def _maker_is_ours(shm_name: str) -> bool:
+    """Whether the maker of a ``torch_<pid>_...`` segment is, now, this process or one of its
+    descendants; True where it is gone (or the name has no pid)."""
     import psutil
 
     try:
@@ -608,6 +652,119 @@ def _made_by_us(shm_name: str) -> bool:
     except psutil.NoSuchProcess:
         return True
     return False
+
+
+# ---- who made a /dev/shm name ------------------------------------------------------------------
+# A leak check runs at the end of a test, when the maker of a new name may be gone: then its pid
+# says nothing about whose it was. So the names are judged as they appear, while their makers
+# still run: an inotify watch on /dev/shm, read by a thread of its own (and by ``Resources.now()``,
+# so that a name already made is judged before its caller goes on). A maker gone within
+# milliseconds of making its name (killed between torch's shm_open and its unlink) is still
+# counted as ours: that is the leftover the check looks for.
+_IN_MOVED_TO = 0x80
+_IN_CREATE = 0x100
+_IN_DELETE = 0x200
+_IN_MOVED_FROM = 0x40
+_IN_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then the name, NUL-padded
+
+
+class _ShmBirths:
+    """The verdicts (``_maker_is_ours`` when each ``torch_*`` name appeared) of the names made
+    in /dev/shm since the watch began, for as long as each name exists."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd  # an inotify instance watching /dev/shm (non-blocking)
+        self.lock = threading.Lock()
+        self.verdicts: dict[str, bool] = {}
+        threading.Thread(
+            target=self._run, name="shm-births (resumable_loader.testing)", daemon=True
+        ).start()
+
+    @classmethod
+    def start(cls) -> _ShmBirths | None:
+        """A watch on /dev/shm, or None where there is none to be had (no inotify, no
+        /dev/shm)."""
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        except (OSError, AttributeError):
+            return None
+        if fd < 0:
+            return None
+        mask = _IN_CREATE | _IN_MOVED_TO | _IN_DELETE | _IN_MOVED_FROM
+        if libc.inotify_add_watch(fd, b"/dev/shm", mask) < 0:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def _run(self) -> None:
+        import select
+
+        poller = select.poll()  # (not select(): the fd may be past FD_SETSIZE)
+        poller.register(self.fd, select.POLLIN)
+        while True:
+            poller.poll()
+            self.read()
+
+    def read(self) -> None:
+        """Judge the names that appeared since the last read; forget those that went."""
+        with self.lock:
+            while True:
+                try:
+                    buf = os.read(self.fd, 64 * 1024)
+                except BlockingIOError:
+                    return
+                at = 0
+                while at < len(buf):
+                    _, mask, _, size = _IN_EVENT.unpack_from(buf, at)
+                    start = at + _IN_EVENT.size
+                    name = buf[start : start + size].rstrip(b"\0").decode(errors="replace")
+                    at = start + size
+                    if not name.startswith("torch_"):
+                        continue
+                    if mask & (_IN_CREATE | _IN_MOVED_TO):
+                        self.verdicts[name] = _maker_is_ours(name)
+                    else:
+                        self.verdicts.pop(name, None)
+
+    def verdict(self, name: str) -> bool | None:
+        """Whether ``name``'s maker was ours when it appeared; None if not seen appearing."""
+        with self.lock:
+            return self.verdicts.get(name)
+
+
+_births: _ShmBirths | None = None
+_births_tried = False
+_births_start = threading.Lock()  # (two threads checking at once start one watch)
+
+
+def _watch_shm_births() -> None:
+    """Start the watch, once per process."""
+    global _births, _births_tried
+    with _births_start:
+        if not _births_tried:
+            _births_tried = True
+            _births = _ShmBirths.start()
+        births = _births
+    if births is not None:
+        births.read()
+
+
+def _forget_births_in_child() -> None:
+    # A forked child has the watch's fd but not its thread: it closes the fd (a worker must not
+    # keep it) and would start a watch of its own if it checked for leaks.
+    global _births, _births_start, _births_tried
+    if _births is not None:
+        with contextlib.suppress(OSError):
+            os.close(_births.fd)
+    _births, _births_tried = None, False
+    _births_start = threading.Lock()  # (another thread may have held it at the fork)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_births_in_child)
 
 
 def leaks_since(before: Resources, settle_s: float = 10.0) -> list[str]:

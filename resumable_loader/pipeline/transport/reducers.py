@@ -129,6 +129,7 @@ class Outbox:
     """
 
     __slots__ = (
+        "copies",
         "fallback_bytes",
         "fds",
         "keep",
@@ -161,6 +162,9 @@ class Outbox:
         self.slot_of: dict[int, int] = {}
         # The packed segment: it owns the fd in ``fds`` until the message is sent.
         self.keep: torch.UntypedStorage | None = None
+        # Shared copies of storages that were not in shared memory (``shared_copy``): each
+        # owns its fd in ``fds`` until the message is sent.
+        self.copies: list[torch.UntypedStorage] = []
         self.packed = False  # whether storages were packed into one segment
         # The worker's segment pool, and its segment this message lends (None: none).
         self.pool = policy.pool if policy is not None else None
@@ -403,9 +407,27 @@ def _share(out: Outbox, storage: torch.UntypedStorage) -> Any:
         reduced = reduce_storage(storage)  # file_system: needs no live sender
         out.lent.append(storage)
         return reduced
+    if not storage.is_shared():
+        storage = shared_copy(out, storage)
     fd, size = _share_fd(storage)
     out.fds.append(fd)
     return (_rebuild_fd_storage, (len(out.fds) - 1, size))
+
+
+def shared_copy(out: Outbox, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """``storage``'s bytes in a new segment from the shared allocator in use (a worker's is a
+    memfd: ``memfd``), kept by ``out`` until the message is sent.
+
+    A batch the worker did not collate in shared memory (the sample itself, a collate_fn of the
+    user's) lies in its private memory. torch's ``_share_fd_cpu_`` would copy it too, but into
+    a segment it makes itself with shm_open, whose name stays in /dev/shm until unlinked: a kill
+    in between leaves it there, the very thing a worker's memfds are for. (A function of its
+    own: ``testing.ShmFailure`` makes it fail as a full /dev/shm makes torch's sharing fail.)
+    """
+    copy = compat.new_shared(storage.nbytes())
+    copy.copy_(storage)
+    out.copies.append(copy)
+    return copy
 
 
 # ---- a message's payload (worker side) ----
