@@ -42,7 +42,30 @@ def _multiprocessing_helpers():
     # (what a user gets from multiprocessing.set_forkserver_preload too).
     multiprocessing.set_forkserver_preload(["torch", "resumable_loader"])
     forkserver.ensure_running()
+    _open_the_accelerator()
     yield
+
+
+def _open_the_accelerator() -> None:
+    """With a GPU, the first pinned allocation opens the driver's device files, an event fd and
+    pipes that the CUDA runtime keeps for the life of the process (in the main thread, and more
+    the first time a thread sets its device, as the pin thread does). Open them once here, as
+    a training job's first step does, so that the first pinning test is not blamed for them."""
+    import threading
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    torch.empty(1).pin_memory()
+
+    def pin_thread() -> None:
+        torch.cuda.set_device(torch.cuda.current_device())
+        torch.empty(1).pin_memory()
+
+    t = threading.Thread(target=pin_thread)
+    t.start()
+    t.join()
 
 
 @pytest.fixture(autouse=True)

@@ -41,6 +41,7 @@ import typing
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -481,6 +482,47 @@ def _pin_warnings(record: list[warnings.WarningMessage]) -> list[type[Warning]]:
     return [w.category for w in record if "pin_memory" in str(w.message)]
 
 
+def _accelerator() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    return bool(acc.is_available() if acc is not None else torch.cuda.is_available())
+
+
+def _pinned(batches: list[Any]) -> list[bool]:
+    """Whether each tensor of ``batches`` (in order, containers walked) is page-locked."""
+    out: list[bool] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            out.append(x.is_pinned())
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(batches)
+    return out
+
+
+@pytest.mark.skipif(not _accelerator(), reason="needs an accelerator (CUDA): pinning is real")
+@pytest.mark.parametrize("workers", [0, 2], ids=["w0", "w2"])
+def test_pin_memory_with_accelerator_matches_torch(workers: int) -> None:
+    args = (DATASETS["map"], BATCHINGS["bs7"], workers, True)
+    with warnings.catch_warnings(record=True) as theirs_w:
+        warnings.simplefilter("always")
+        expected = list(TorchDataLoader(**_kwargs(*args, pin_memory=True)))
+    with warnings.catch_warnings(record=True) as ours_w:
+        warnings.simplefilter("always")
+        got = list(Ours(**_kwargs(*args, pin_memory=True)))
+    assert _pin_warnings(ours_w) == _pin_warnings(theirs_w)
+    theirs, ours = _pinned(expected), _pinned(got)
+    assert theirs and all(theirs), "torch's loader pins every tensor with an accelerator"
+    assert ours == theirs
+    assert_same_stream(got, expected)
+
+
+@pytest.mark.skipif(_accelerator(), reason="an accelerator is present: pinning is real")
 @pytest.mark.parametrize("workers", [0, 2], ids=["w0", "w2"])
 def test_pin_memory_without_accelerator_matches_torch(workers: int) -> None:
     args = (DATASETS["map"], BATCHINGS["bs7"], workers, True)
