@@ -1,0 +1,379 @@
+"""Adversarial checks of issue #32's promises (layers): refused states change nothing, states
+round-trip through a restarted process, the public surface is unchanged.
+
+Every check compares a loader against an untouched twin built the same way."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset, SequentialSampler
+
+from resumable_loader import (
+    CheckpointError,
+    DataLoader,
+    Mixture,
+    dump_state,
+    load_state,
+    merge_rank_states,
+    skip_samples,
+)
+
+
+class Noisy(Dataset):
+    """A map-style dataset whose values depend on the RNG (an augmentation)."""
+
+    def __init__(self, n=40):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i, int(torch.randint(0, 1_000_000, (1,)))])
+
+
+class Stream(IterableDataset):
+    def __init__(self, n=60):
+        self.n = n
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for i in range(wid, self.n, nw):
+            yield torch.tensor([i, int(torch.randint(0, 1_000_000, (1,)))])
+
+
+def _twins(make, steps):
+    """Two loaders built the same way, each with an open iterator after `steps` batches."""
+    torch.manual_seed(1234)
+    a = make()
+    torch.manual_seed(1234)
+    b = make()
+    ia, ib = iter(a), iter(b)
+    for _ in range(steps):
+        assert torch.equal(next(ia), next(ib))
+    return a, ia, b, ib
+
+
+def _same_rest(a, ia, b, ib, epochs=2):
+    """The open iterators, the states and the next epochs are identical."""
+    assert a.state_dict() == b.state_dict()
+    ra, rb = list(ia), list(ib)
+    assert len(ra) == len(rb)
+    for x, y in zip(ra, rb):
+        assert torch.equal(x, y)
+    assert a.state_dict() == b.state_dict()
+    for _ in range(epochs):
+        ea, eb = list(a), list(b)
+        assert len(ea) == len(eb)
+        for x, y in zip(ea, eb):
+            assert torch.equal(x, y)
+        assert a.state_dict() == b.state_dict()
+
+
+def _sampler_same(a, b):
+    sa, sb = a.sampler, b.sampler
+    assert type(sa) is type(sb)
+    if getattr(sa, "generator", None) is not None:
+        assert torch.equal(sa.generator.get_state(), sb.generator.get_state())
+    if hasattr(sa, "epoch"):
+        assert sa.epoch == sb.epoch
+    if a.generator is not None:
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
+def _refuse(a, state, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError):
+            a.load_state_dict(state, **kw)
+
+
+WORKER_CONFIGS = [
+    dict(num_workers=0),
+    dict(num_workers=2, multiprocessing_context="fork"),
+    dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork"),
+]
+
+
+def _bad_states(good):
+    """States refused at different depths, derived from a good state of the same loader."""
+    out = {}
+    s = copy.deepcopy(good); s["version"] = 999; out["version"] = s
+    s = copy.deepcopy(good); s["format"] = "something.else"; out["format"] = s
+    s = copy.deepcopy(good); s["config"]["world_size"] = 2; s["config"]["rank"] = 1; out["world_size"] = s
+    s = copy.deepcopy(good); s["config"]["dataset_len"] = 41; out["dataset_len"] = s
+    s = copy.deepcopy(good); s["consumed"] = 10_000; out["past_end"] = s
+    s = copy.deepcopy(good); s["consumed"] = -1; out["negative"] = s
+    s = copy.deepcopy(good); s["seed_chain"] = {"next": "x", "root": None}; out["seed_chain"] = s
+    s = copy.deepcopy(good); s["seed"] = None; out["seed_none"] = s
+    s = copy.deepcopy(good); s["skipped"] = "nope"; out["skipped"] = s
+    s = copy.deepcopy(good); del s["config"]["batch_size"]; out["missing_bs"] = s
+    s = copy.deepcopy(good); s["epoch"] = -3; out["epoch"] = s
+    s = copy.deepcopy(good); s["config"] = [1, 2]; out["config_type"] = s
+    s = copy.deepcopy(good); s["dataset"]["class"] = "Other"; out["class"] = s
+    s = copy.deepcopy(good); s["config"]["drop_last"] = True; out["drop_last"] = s
+    return out
+
+
+def _make_map(kw, generator=False):
+    def make():
+        g = torch.Generator().manual_seed(7) if generator else None
+        return DataLoader(Noisy(40), batch_size=4, shuffle=True, generator=g, **kw)
+
+    return make
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+@pytest.mark.parametrize("generator", [False, True], ids=["chain", "gen"])
+def test_refused_states_change_nothing_map(kw, generator):
+    make = _make_map(kw, generator)
+    # a good state of another run, to derive the bad ones from
+    torch.manual_seed(99)
+    src = make()
+    it = iter(src)
+    for _ in range(5):
+        next(it)
+    good = src.state_dict()
+    del it
+    src.close()
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        for name, bad in _bad_states(good).items():
+            _refuse(a, bad)
+            _sampler_same(a, b)
+            assert a.state_dict() == b.state_dict(), name
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+def test_refused_states_each_alone_w2p():
+    """Each refusal, alone, on a twin pair with persistent workers mid-epoch."""
+    kw = WORKER_CONFIGS[2]
+    make = _make_map(kw, False)
+    torch.manual_seed(99)
+    src = make()
+    it = iter(src)
+    for _ in range(5):
+        next(it)
+    good = src.state_dict()
+    del it
+    src.close()
+    for name, bad in _bad_states(good).items():
+        a, ia, b, ib = _twins(make, 2)
+        try:
+            _refuse(a, bad)
+            _same_rest(a, ia, b, ib, epochs=1)
+        finally:
+            a.close(); b.close()
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS[:2], ids=["w0", "w2"])
+def test_refused_other_batch_size_under_batch_sampler(kw):
+    def make(bs=4):
+        g = torch.Generator().manual_seed(3)
+        bsamp = BatchSampler(torch.utils.data.RandomSampler(range(40), generator=g), bs, False)
+        return DataLoader(Noisy(40), batch_sampler=bsamp, **kw)
+
+    src = make(5)
+    it = iter(src); next(it); next(it)
+    good = src.state_dict()
+    del it; src.close()
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        _refuse(a, good)
+        _sampler_same(a, b)
+        assert torch.equal(a.batch_sampler.sampler.generator.get_state(), b.batch_sampler.sampler.generator.get_state())
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+def test_refused_other_world_size_non_distributed_sampler():
+    """A global state of 2 ranks under a plain RandomSampler, loaded into one loader (another
+    world size with a non-distributed sampler)."""
+    def make():
+        return DataLoader(Noisy(40), batch_size=4, shuffle=True)
+
+    states = []
+    for r in range(2):
+        torch.manual_seed(5)
+        l = make()
+        it = iter(l); next(it)
+        s = l.state_dict()
+        s["config"]["world_size"] = 2; s["config"]["rank"] = r
+        states.append(s)
+    try:
+        glob = merge_rank_states(states)
+    except CheckpointError:
+        pytest.skip("merge refuses per-rank states without a distributed sampler")
+    a, ia, b, ib = _twins(make, 3)
+    _refuse(a, glob)
+    _same_rest(a, ia, b, ib)
+
+
+def _mixture(sizes, seed=0, weights=None):
+    srcs = {k: Noisy(n) for k, n in sizes.items()}
+    w = weights or {k: 1.0 for k in sizes}
+    return Mixture(srcs, w, seed=seed)
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_mixture_changed_sources(kw):
+    def make(sizes=None, weights=None):
+        return DataLoader(_mixture(sizes or {"a": 20, "b": 20}, weights=weights), batch_size=4, shuffle=True, **kw)
+
+    bads = []
+    for sizes in ({"a": 20, "c": 20}, {"a": 20, "b": 21}, {"a": 20, "b": 20, "c": 4}, {"a": 20}):
+        torch.manual_seed(1)
+        src = make(sizes)
+        it = iter(src); next(it); next(it)
+        bads.append(src.state_dict())
+        del it; src.close()
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        for bad in bads:
+            _refuse(a, bad)
+            if {x["name"] for x in bad["data_plan"]["sources"]} != {"a", "b"}:
+                _refuse(a, bad, on_dataset_change="continue")  # added/removed: whatever it says
+            ma, mb = a.dataset, b.dataset
+            assert ma.weights == mb.weights
+            assert ma.history == mb.history
+            assert ma.epoch == mb.epoch
+            assert ma.state_dict() == mb.state_dict()
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_mixture_plan_damaged(kw):
+    def make():
+        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True, **kw)
+
+    torch.manual_seed(1)
+    src = make()
+    it = iter(src); next(it); next(it)
+    good = src.state_dict()
+    del it; src.close()
+    plan_key = next((k for k in good if k == "data_plan"), None)
+    assert plan_key, sorted(good)
+    bads = []
+    def damaged(f):
+        s = copy.deepcopy(good); f(s[plan_key]); bads.append(s)
+    for k in list(good[plan_key]):
+        damaged(lambda p, k=k: p.pop(k))
+        damaged(lambda p, k=k: p.__setitem__(k, "garbage"))
+        damaged(lambda p, k=k: p.__setitem__(k, {"x": [1]}))
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        for bad in bads:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    a.load_state_dict(bad)
+            except CheckpointError:
+                pass
+            else:
+                # accepted: fine only if it means the same plan; restore from twin-equal state
+                a.load_state_dict(b.state_dict())
+                ia = None
+                break
+            assert a.dataset.state_dict() == b.dataset.state_dict()
+            assert a.dataset.weights == b.dataset.weights
+        if ia is not None:
+            _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_position_past_end_of_new_data_with_continue(kw):
+    """on_dataset_change='continue' with a position past the end of the new data is refused."""
+    def make(n=40):
+        return DataLoader(Noisy(n), batch_size=4, shuffle=False, **kw)
+
+    src = make(80)
+    it = iter(src)
+    for _ in range(15):
+        next(it)
+    good = src.state_dict()
+    del it; src.close()
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        _refuse(a, good, on_dataset_change="continue")
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+def test_refused_mixture_new_weights_bad_then_twin():
+    """A Mixture whose weights were changed, then a refused load: weights/history unchanged."""
+    def make():
+        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True)
+
+    a, ia, b, ib = _twins(make, 2)
+    s = a.state_dict()
+    s["consumed"] = 999
+    _refuse(a, s)
+    assert a.dataset.history == b.dataset.history
+    _same_rest(a, ia, b, ib)
+
+
+# -- damaged states that are accepted -------------------------------------------------------
+
+
+def _good_map_state():
+    make = _make_map({}, False)
+    torch.manual_seed(99)
+    src = make()
+    it = iter(src)
+    for _ in range(5):
+        next(it)
+    return make, src.state_dict()
+
+
+def test_FINDING_delivered_ahead_past_the_epoch_is_refused():
+    """docs/guarantees.md: load_state_dict "refuses anything malformed ... naming the field".
+    delivered_ahead=[3] (below consumed) is refused as damaged, but a batch id past the end of
+    the epoch (10 batches) is accepted silently."""
+    make, good = _good_map_state()
+    bad = copy.deepcopy(good)
+    bad["delivered_ahead"] = [10_000]
+    a = make()
+    with pytest.raises(CheckpointError, match="delivered_ahead"):
+        a.load_state_dict(bad)
+
+
+def test_FINDING_seed_outside_64_bits_is_refused():
+    """seed_chain.root must be an int in [0, 2**63) or the state is refused as damaged; the
+    epoch's own `seed` of 2**64 (no loader can write it) is accepted and drives the epoch."""
+    make, good = _good_map_state()
+    bad = copy.deepcopy(good)
+    bad["seed"] = 2**64
+    a = make()
+    with pytest.raises(CheckpointError, match="seed"):
+        a.load_state_dict(bad)
+
+
+def test_FINDING_skipped_task_past_the_epoch_is_refused():
+    """`skipped` records poison batches skipped ([epoch, task id, indices]); a task id past the
+    epoch's 10 batches, in the epoch the state is in, is accepted silently."""
+    make, good = _good_map_state()
+    bad = copy.deepcopy(good)
+    bad["skipped"] = [[0, 99, [1, 2]]]
+    a = make()
+    with pytest.raises(CheckpointError, match="skipped"):
+        a.load_state_dict(bad)
