@@ -377,3 +377,198 @@ def test_FINDING_skipped_task_past_the_epoch_is_refused():
     a = make()
     with pytest.raises(CheckpointError, match="skipped"):
         a.load_state_dict(bad)
+
+
+# -- refusals in other situations ------------------------------------------------------------
+
+
+class Fingerprinted(Noisy):
+    def __init__(self, n=40, fp="v1"):
+        super().__init__(n)
+        self.fp = fp
+
+    def fingerprint(self):
+        return self.fp
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_continue_state_emits_no_warning_and_changes_nothing(kw):
+    """A state on changed data, loaded with on_dataset_change='continue' but refused (its
+    position is past the end of the new data): no warning (the plan's warnings are emitted
+    only when it is applied), and the loader continues as its twin."""
+    def make(n=40, fp="v1"):
+        return DataLoader(Fingerprinted(n, fp), batch_size=4, shuffle=True, **kw)
+
+    torch.manual_seed(3)
+    src = make(80, "v0")
+    it = iter(src)
+    for _ in range(15):
+        next(it)
+    bad = src.state_dict()
+    del it; src.close()
+    a, ia, b, ib = _twins(make, 2)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            with pytest.raises(CheckpointError):
+                a.load_state_dict(bad, on_dataset_change="continue")
+        assert [str(x.message) for x in w] == []
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+def test_bad_on_dataset_change_value_changes_nothing():
+    make = _make_map({}, False)
+    a, ia, b, ib = _twins(make, 2)
+    with pytest.raises(ValueError):
+        a.load_state_dict(b.state_dict(), on_dataset_change="maybe")
+    _same_rest(a, ia, b, ib)
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_state_keeps_a_loaded_position(kw):
+    """A good state loaded (not yet continued), then a refused one: the next iter() continues
+    the good one, as the twin that only loaded the good state does."""
+    make = _make_map(kw, True)
+    torch.manual_seed(5)
+    src = make()
+    it = iter(src)
+    for _ in range(4):
+        next(it)
+    good = src.state_dict()
+    del it; src.close()
+    bad = copy.deepcopy(good); bad["consumed"] = 999
+    torch.manual_seed(1); a = make()
+    torch.manual_seed(1); b = make()
+    try:
+        a.load_state_dict(good); b.load_state_dict(good)
+        _refuse(a, bad)
+        _sampler_same(a, b)
+        assert a.state_dict() == b.state_dict() == good
+        for _ in range(2):
+            ea, eb = list(a), list(b)
+            assert len(ea) == len(eb)
+            assert all(torch.equal(x, y) for x, y in zip(ea, eb))
+    finally:
+        a.close(); b.close()
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_between_epochs(kw):
+    make = _make_map(kw, False)
+    torch.manual_seed(1); a = make()
+    torch.manual_seed(1); b = make()
+    try:
+        list(a); list(b)
+        s = a.state_dict(); s["version"] = 1
+        _refuse(a, s)
+        assert a.state_dict() == b.state_dict()
+        for _ in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    finally:
+        a.close(); b.close()
+
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_under_distributed_sampler_keeps_its_epoch(kw):
+    def make():
+        ds = Noisy(40)
+        samp = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+        samp.set_epoch(4)
+        return DataLoader(ds, batch_size=4, sampler=samp, **kw)
+
+    a, ia, b, ib = _twins(make, 2)
+    try:
+        good = a.state_dict()
+        for mod in (lambda s: s["config"].__setitem__("rank", 0),
+                    lambda s: s["config"].__setitem__("world_size", 3),
+                    lambda s: s.__setitem__("distributed", "x"),
+                    lambda s: s.__setitem__("consumed", 99),
+                    lambda s: s["distributed"].__setitem__("sampler_epoch", -1) if isinstance(s.get("distributed"), dict) else s.__setitem__("version", 0)):
+            bad = copy.deepcopy(good); mod(bad)
+            _refuse(a, bad)
+            assert a.sampler.epoch == b.sampler.epoch == 4
+            assert a.state_dict() == b.state_dict()
+        _same_rest(a, ia, b, ib, epochs=1)
+    finally:
+        a.close(); b.close()
+
+
+class Toggle(Noisy):
+    boom = False
+
+    def fingerprint(self):
+        if Toggle.boom:
+            raise OSError("fingerprint failed")
+        return "ok"
+
+
+def test_fingerprint_raising_in_load_changes_nothing():
+    def make():
+        return DataLoader(Toggle(40), batch_size=4, shuffle=True)
+
+    a, ia, b, ib = _twins(make, 2)
+    good = b.state_dict()
+    Toggle.boom = True
+    try:
+        with pytest.raises(RuntimeError):
+            a.load_state_dict(good)
+    finally:
+        Toggle.boom = False
+    _same_rest(a, ia, b, ib)
+
+
+@pytest.mark.parametrize("kw", [dict(num_workers=0), dict(num_workers=2, multiprocessing_context="fork"),
+                                dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork")],
+                         ids=["w0", "w2", "w2p"])
+def test_refused_stream_states_change_nothing(kw):
+    def make(bs=4, **over):
+        k = dict(kw); k.update(over)
+        return DataLoader(Stream(60), batch_size=bs, **k)
+
+    torch.manual_seed(2)
+    src = make(5)
+    it = iter(src); next(it); next(it)
+    other_bs = src.state_dict()
+    del it; src.close()
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        _refuse(a, other_bs)
+        s = a.state_dict()
+        if "workers" in s and s["workers"]:
+            bad = copy.deepcopy(s); bad["workers"] = bad["workers"][:1] if len(bad["workers"]) > 1 else bad["workers"] * 3
+            _refuse(a, bad)
+            bad = copy.deepcopy(s); bad["workers"] = "x"
+            _refuse(a, bad)
+        bad = copy.deepcopy(s); bad["config"]["num_workers"] = 7
+        _refuse(a, bad)
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+def test_mixture_weights_changed_between_epochs_then_refused():
+    """set_weights between epochs, then a refused load: the mixture keeps the new weights and
+    the loader continues as the twin that got the same set_weights."""
+    def make():
+        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True,
+                          num_workers=2, persistent_workers=True, multiprocessing_context="fork")
+
+    torch.manual_seed(1); a = make()
+    torch.manual_seed(1); b = make()
+    try:
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        for l in (a, b):
+            l.dataset.set_weights({"a": 3.0, "b": 1.0}, from_position=len(l.dataset))
+        ia, ib = iter(a), iter(b)
+        next(ia); next(ib)
+        bad = a.state_dict()
+        bad["data_plan"]["weights"] = [{"from": 0, "weights": {"a": 1.0, "b": -1.0}}]
+        _refuse(a, bad)
+        bad = a.state_dict(); bad["data_plan"]["seed"] = "s"
+        _refuse(a, bad)
+        assert a.dataset.history == b.dataset.history
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
