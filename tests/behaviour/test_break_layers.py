@@ -687,5 +687,214 @@ def test_round_trip_through_a_restarted_process(kind, codec, tmp_path):
     assert state == before
 
 
+
+
+# -- the public surface ----------------------------------------------------------------------
+
+API_NAMES = ["DataLoader", "RetryPolicy", "LoaderStatistics", "Mixture", "CheckpointError",
+             "WorkerCrashError", "LoaderClosedError", "dump_state", "load_state",
+             "merge_rank_states", "save_checkpoint", "skip_samples", "__version__"]
+TESTING_NAMES = ["check_resume", "Fault", "FaultyDataset", "FaultyStream", "kill_worker", "kill_at",
+                 "ShmFailure", "Resources", "leaks_since"]
+
+
+def test_public_names_importable_documented_and_pickle_by_reference():
+    import resumable_loader
+    import resumable_loader.testing as testing
+
+    for name in API_NAMES:
+        obj = getattr(resumable_loader, name)
+        if name == "__version__":
+            assert isinstance(obj, str)
+            continue
+        assert obj.__doc__, name
+        assert pickle.loads(pickle.dumps(obj)) is obj, name
+        assert obj.__module__ == "resumable_loader", (name, obj.__module__)
+    for name in TESTING_NAMES:
+        obj = getattr(testing, name)
+        assert obj.__doc__, name
+        assert pickle.loads(pickle.dumps(obj)) is obj, name
+    assert issubclass(resumable_loader.CheckpointError, ValueError)
+    assert issubclass(resumable_loader.WorkerCrashError, RuntimeError)
+    assert issubclass(resumable_loader.LoaderClosedError, RuntimeError)
+    assert issubclass(resumable_loader.DataLoader, torch.utils.data.DataLoader)
+
+
+def test_integration_modules_are_where_the_docs_say():
+    import importlib
+
+    for mod, name in [("resumable_loader.integrations.accelerate", "prepare_data_loader"),
+                      ("resumable_loader.integrations.transformers", "ResumableTrainer")]:
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:  # the framework is not installed: the error names it
+            assert "accelerate" in str(e) or "transformers" in str(e)
+            continue
+        assert getattr(m, name)
+
+
+def test_errors_pickle_with_their_message():
+    from resumable_loader import LoaderClosedError, WorkerCrashError
+
+    for cls in (CheckpointError, WorkerCrashError, LoaderClosedError):
+        e = cls("message")
+        e2 = pickle.loads(pickle.dumps(e))
+        assert type(e2) is cls and str(e2) == "message"
+
+
+def test_our_samplers_pickle():
+    a = DataLoader(Noisy(40), batch_size=4, shuffle=True)
+    for obj in (a.sampler, a.batch_sampler):
+        assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
+
+
+def test_FINDING_statistics_snapshot_pickles():
+    """statistics() is "a frozen snapshot" of a public type (LoaderStatistics): a snapshot of
+    plain counters that cannot be pickled (to a metrics process, a log, a checkpoint) breaks
+    "public objects pickle"."""
+    a = DataLoader(Noisy(40), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    try:
+        list(a)
+        st = a.statistics()
+        st2 = pickle.loads(pickle.dumps(st))
+        assert type(st2) is type(st)
+    finally:
+        a.close()
+
+
+def _tensor_mixture():
+    from torch.utils.data import TensorDataset
+
+    return Mixture({"a": TensorDataset(torch.arange(30)), "b": TensorDataset(torch.arange(100, 117))},
+                   {"a": 2.0, "b": 1.0}, seed=3)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_mixture_and_resume_under_spawn_and_forkserver(method):
+    """Public objects travel to spawn/forkserver workers by reference; a state taken under fork
+    resumes under `method` exactly."""
+    def make(ctx):
+        return DataLoader(_tensor_mixture(), batch_size=4, shuffle=True, num_workers=2,
+                          multiprocessing_context=ctx, seed_per_sample=True)
+
+    torch.manual_seed(8)
+    a = make("fork")
+    it = iter(a)
+    for _ in range(2):
+        next(it)
+    state = a.state_dict()
+    expected = [x for x in it]
+    a.close()
+    b = make(method)
+    try:
+        b.load_state_dict(state)
+        got = list(b)
+        assert len(got) == len(expected)
+        for x, y in zip(expected, got):
+            assert torch.equal(x[0], y[0])
+    finally:
+        b.close()
+
+
+def test_continue_warning_points_at_the_callers_line():
+    def make(fp):
+        return DataLoader(Fingerprinted(40, fp), batch_size=4, shuffle=True)
+
+    src = make("v0")
+    it = iter(src); next(it)
+    state = src.state_dict()
+    del it
+    a = make("v1")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        a.load_state_dict(state, on_dataset_change="continue"); line = sys._getframe().f_lineno
+    assert len(w) == 1, [str(x.message) for x in w]
+    assert w[0].filename == __file__ and w[0].lineno == line, (w[0].filename, w[0].lineno)
+
+
+def test_pin_memory_warning_points_at_the_callers_line():
+    if torch.cuda.is_available():
+        pytest.skip("with an accelerator there is no warning")
+    a = DataLoader(Noisy(8), batch_size=4, pin_memory=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        it = iter(a); line = sys._getframe().f_lineno
+        next(it)
+    ours = [x for x in w if x.filename == __file__]
+    assert ours, [(x.filename, x.lineno, str(x.message)[:60]) for x in w]
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "resumable_loader", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_inspect_and_skip_on_a_torch_checkpoint(tmp_path):
+    torch.manual_seed(21)
+    loader = DataLoader(Noisy(40), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    rest = [x for x in it]
+    loader.close()
+    path = tmp_path / "ckpt.pt"
+    model = {"w": torch.arange(5.0)}
+    torch.save({"model": model, "loader": state}, path)
+    r = _cli("inspect", str(path), "--key", "loader")
+    assert r.returncode == 0, r.stderr
+    for needle in ("map, 40 samples", "batch_size     4", "num_workers    2", "rank 0 of world size 1"):
+        assert needle in r.stdout, (needle, r.stdout)
+    r2 = _cli("inspect", str(path))  # the one state found in the file
+    assert r2.returncode == 0, r2.stderr
+    assert r2.stdout.split("\n", 1)[1] == r.stdout.split("\n", 1)[1]
+    out = tmp_path / "skipped.pt"
+    r = _cli("skip", str(path), "--samples", "6", "--key", "loader", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    ck = torch.load(out, weights_only=True)
+    assert torch.equal(ck["model"]["w"], model["w"])
+    assert ck["loader"] == skip_samples(state, 6)
+    b = DataLoader(Noisy(40), batch_size=4, shuffle=True)
+    b.load_state_dict(ck["loader"])
+    got = torch.cat([x[:, 0] for x in list(b)])
+    assert torch.equal(got, torch.cat([x[:, 0] for x in rest])[6:])
+    # a read-only checkpoint is not replaced
+    path.chmod(0o444)
+    r = _cli("skip", str(path), "--samples", "1", "--key", "loader")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert torch.load(path, weights_only=True)["loader"] == state
+
+
+def test_cli_inspect_dump_state_bytes_and_mixture(tmp_path):
+    torch.manual_seed(2)
+    loader = DataLoader(_mixture({"code": 11, "web": 20}), batch_size=4, shuffle=True)
+    it = iter(loader); next(it)
+    state = loader.state_dict()
+    path = tmp_path / "loader.rls"
+    from resumable_loader import save_checkpoint
+
+    save_checkpoint(dump_state(state), path)
+    assert load_state(path.read_bytes()) == state
+    r = _cli("inspect", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "data_plan" in r.stdout and "source 'code': 11 items" in r.stdout, r.stdout
+    r = _cli("skip", str(path), "--samples", "3", "-o", str(tmp_path / "o.rls"))
+    assert r.returncode == 0, r.stderr
+    assert load_state((tmp_path / "o.rls").read_bytes()) == skip_samples(state, 3)
+
+
+def test_cli_two_states_refused(tmp_path):
+    loader = DataLoader(Noisy(40), batch_size=4)
+    s = loader.state_dict()
+    path = tmp_path / "two.pt"
+    torch.save({"a": {"loader": s}, "b": [{"loader": copy.deepcopy(s)}]}, path)
+    r = _cli("inspect", str(path))
+    assert r.returncode != 0
+    assert "a.loader" in (r.stderr + r.stdout) and "b.0.loader" in (r.stderr + r.stdout)
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
