@@ -896,5 +896,104 @@ def test_cli_two_states_refused(tmp_path):
     assert "a.loader" in (r.stderr + r.stdout) and "b.0.loader" in (r.stderr + r.stdout)
 
 
+
+
+# -- another batch size: drop_last, DistributedSampler global states ---------------------------
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("b0,b1", [(6, 4), (4, 6), (7, 3)])
+def test_drop_last_state_resumed_with_another_batch_size(b0, b1, codec, tmp_path):
+    """data-plans.md: with drop_last the resumed epoch drops fewer than b' samples, every other
+    sample once; later epochs are cut as a job built with b' from the start."""
+    def make(bs):
+        torch.manual_seed(17)
+        return DataLoader(Noisy(40), batch_size=bs, shuffle=True, drop_last=True)
+
+    a = make(b0)
+    it = iter(a)
+    seen = [x for _, x in zip(range(2), it)]
+    state = a.state_dict()
+    rest_a = [x for x in it]
+    a.close()
+    path = tmp_path / "s"
+    _encode(state, codec, path)
+    b = make(b1)
+    b.load_state_dict(_decode(codec, path))
+    rest_b = list(b)
+    consumed = torch.cat([x[:, 0] for x in seen]).tolist()
+    got = torch.cat([x[:, 0] for x in rest_b]).tolist()
+    assert all(len(x) == b1 for x in rest_b)
+    assert not set(consumed) & set(got)
+    assert len(set(got)) == len(got)
+    assert 40 - len(consumed) - len(got) < b1
+    # the order is the epoch's order: what the uninterrupted run delivered after the state
+    ua = torch.cat([x[:, 0] for x in rest_a]).tolist()
+    n = min(len(ua), len(got))
+    assert got[:n] == ua[:n]
+    # later epochs: as a job built with b1
+    c = make(b1)
+    list(c)
+    for _ in range(2):
+        eb, ec = list(b), list(c)
+        assert [x[:, 0].tolist() for x in eb] == [x[:, 0].tolist() for x in ec]
+
+
+def _dist(rank, world, bs, n=40, **kw):
+    ds = Noisy(n)
+    s = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=4)
+    return DataLoader(ds, batch_size=bs, sampler=s, **kw)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("world1,bs1", [(2, 3), (3, 2), (1, 5), (3, 4)])
+def test_distributed_global_state_other_batch_size_and_world(world1, bs1, codec, tmp_path):
+    steps = [2, 3]  # the ranks stand one batch apart
+    loaders = [_dist(r, 2, 4) for r in range(2)]
+    its = [iter(l) for l in loaders]
+    consumed = []
+    for it, k in zip(its, steps):
+        for _ in range(k):
+            consumed += next(it)[:, 0].tolist()
+    glob = merge_rank_states([l.state_dict() for l in loaders])
+    for l in loaders:
+        l.close()
+    path = tmp_path / "g"
+    _encode(glob, codec, path)
+    glob = _decode(codec, path)
+    got = []
+    for r in range(world1):
+        l = _dist(r, world1, bs1)
+        l.load_state_dict(glob)
+        batches = list(l)
+        assert all(len(x) <= bs1 for x in batches)
+        got += torch.cat([x[:, 0] for x in batches]).tolist() if batches else []
+        st = l.state_dict()
+        assert st["distributed"]["sampler_epoch"] == 1 if isinstance(st.get("distributed"), dict) else True
+    remaining = sorted(set(range(40)) - set(consumed))
+    assert sorted(set(got)) == remaining
+    assert len(got) - len(remaining) < world1  # only DistributedSampler's padding repeats
+
+
+@pytest.mark.parametrize("world1", [2, 3])
+def test_distributed_global_state_skip_then_other_batch_size(world1):
+    loaders = [_dist(r, 2, 4) for r in range(2)]
+    its = [iter(l) for l in loaders]
+    consumed = []
+    for it in its:
+        for _ in range(2):
+            consumed += next(it)[:, 0].tolist()
+    glob = merge_rank_states([l.state_dict() for l in loaders])
+    skipped = skip_samples(glob, 5)
+    got = []
+    for r in range(world1):
+        l = _dist(r, world1, 3)
+        l.load_state_dict(skipped)
+        got += [i for x in l for i in x[:, 0].tolist()]
+    remaining = set(range(40)) - set(consumed)
+    assert len(set(got)) == len(remaining) - 5
+    assert set(got) <= remaining
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
