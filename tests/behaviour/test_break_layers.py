@@ -995,5 +995,66 @@ def test_distributed_global_state_skip_then_other_batch_size(world1):
     assert set(got) <= remaining
 
 
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_refused_after_the_mixture_plan_was_built(kw):
+    """States whose Mixture part is acceptable (other weights; on 'continue', another source
+    length) but which are refused elsewhere: the mixture keeps its weights, history and plan."""
+    def make(weights=None, sizes=None, inorder=True):
+        return DataLoader(_mixture(sizes or {"a": 20, "b": 20}, weights=weights), batch_size=4, shuffle=True,
+                          in_order=inorder if kw.get("num_workers") else True, **kw)
+
+    bads = []
+    torch.manual_seed(4)
+    src = make(weights={"a": 5.0, "b": 1.0})
+    it = iter(src)
+    for _ in range(3):
+        next(it)
+    s0 = src.state_dict()
+    del it; src.close()
+    for mod in (lambda s: s.__setitem__("delivered_ahead", [2]),
+                lambda s: s.__setitem__("consumed", 500),
+                lambda s: s.__setitem__("skipped", [[0, 1]]),
+                lambda s: s["seed_chain"].__setitem__("root", -1),
+                lambda s: s["config"].__setitem__("drop_last", True)):
+        b = copy.deepcopy(s0); mod(b); bads.append((b, {}))
+    torch.manual_seed(4)
+    src = make(sizes={"a": 20, "b": 30})
+    it = iter(src)
+    for _ in range(12):
+        next(it)
+    s1 = src.state_dict()
+    del it; src.close()
+    bads.append((s1, {"on_dataset_change": "continue"}))  # past the end of the new data
+    a, ia, b, ib = _twins(make, 2)
+    try:
+        for bad, k in bads:
+            _refuse(a, bad, **k)
+            assert a.dataset.weights == b.dataset.weights
+            assert a.dataset.history == b.dataset.history
+            assert a.dataset.state_dict() == b.dataset.state_dict()
+            assert a.state_dict() == b.state_dict()
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+def test_FINDING_skip_then_reshape_warning_counts_skipped_samples_as_delivered():
+    """After skip_samples(global, 5) the reshape warning says "40 of the epoch's 40 samples are
+    delivered": 5 of them were skipped and are never delivered."""
+    loaders = [_dist(r, 2, 4) for r in range(2)]
+    for l in loaders:
+        it = iter(l)
+        for _ in range(2):
+            next(it)
+    glob = skip_samples(merge_rank_states([l.state_dict() for l in loaders]), 5)
+    l = _dist(0, 3, 3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        l.load_state_dict(glob)
+    msgs = [str(x.message) for x in w]
+    assert msgs and not any("40 of the epoch's 40 samples are delivered" in m for m in msgs), msgs
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
