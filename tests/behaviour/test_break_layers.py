@@ -1056,5 +1056,103 @@ def test_FINDING_skip_then_reshape_warning_counts_skipped_samples_as_delivered()
     assert msgs and not any("40 of the epoch's 40 samples are delivered" in m for m in msgs), msgs
 
 
+
+# -- stream states whose parts contradict each other ----------------------------------------
+
+
+def _stream_state():
+    make = lambda: DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    src = make()
+    it = iter(src)
+    for _ in range(3):
+        next(it)
+    good = src.state_dict()
+    del it
+    src.close()
+    # in order, round robin: worker 0 delivered 2, worker 1 delivered 1, worker 1 is next
+    assert good["consumed"] == 3 and [w["delivered"] for w in good["workers"]] == [2, 1]
+    assert good["next_worker"] == 1
+    return make, good
+
+
+def test_FINDING_stream_state_consumed_disagreeing_with_workers_is_refused():
+    """In order, `consumed` is the sum of the workers' `delivered`. A state saying worker 0
+    delivered 7 batches while consumed is 3 is accepted and resumes worker 0 four batches
+    later: samples skipped silently (docs: a damaged state is refused "rather than read ...
+    [so] that would resume at another sample")."""
+    make, good = _stream_state()
+    for mod in (lambda s: s["workers"][0].__setitem__("delivered", 7),
+                lambda s: s.__setitem__("consumed", 2)):
+        bad = copy.deepcopy(good)
+        mod(bad)
+        a = make()
+        try:
+            with pytest.raises(CheckpointError):
+                a.load_state_dict(bad)
+        finally:
+            a.close()
+
+
+def test_FINDING_stream_state_next_worker_disagreeing_with_round_robin_is_refused():
+    """In order, the round robin is fixed by the counts ([2, 1] delivered: worker 1 is next).
+    next_worker=0 is accepted, and the resumed stream comes in another order than the
+    uninterrupted one ([16..] before [9..])."""
+    make, good = _stream_state()
+    bad = copy.deepcopy(good)
+    bad["next_worker"] = 0
+    a = make()
+    try:
+        with pytest.raises(CheckpointError):
+            a.load_state_dict(bad)
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(persistent_workers=True)], ids=["w2", "w2p"])
+def test_refused_stream_worker_fields_change_nothing(kw):
+    def make():
+        return DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork", **kw)
+
+    a, ia, b, ib = _twins(make, 3)
+    try:
+        good = a.state_dict()
+        for mod in (lambda s: s.__setitem__("next_worker", 5),
+                    lambda s: s["workers"][1].__setitem__("id", 0),
+                    lambda s: s["workers"][0].__setitem__("state_at", 99),
+                    lambda s: s["workers"][0].pop("dataset_state"),
+                    lambda s: s["workers"].reverse(),
+                    lambda s: s["workers"].append(copy.deepcopy(s["workers"][0]))):
+            bad = copy.deepcopy(good); mod(bad)
+            _refuse(a, bad)
+        _same_rest(a, ia, b, ib)
+    finally:
+        a.close(); b.close()
+
+
+@pytest.mark.parametrize("kind", ["map", "stream", "mixture"])
+def test_testing_check_resume_public_helper(kind):
+    from resumable_loader.testing import check_resume
+
+    def make(workers=2):
+        torch.manual_seed(0)
+        fk = dict(num_workers=workers, multiprocessing_context="fork") if workers else {}
+        if kind == "map":
+            return DataLoader(Noisy(24), batch_size=4, shuffle=True, **fk)
+        if kind == "stream":
+            return DataLoader(Stream(30), batch_size=4, **fk)
+        return DataLoader(_mixture({"a": 12, "b": 9}), batch_size=4, shuffle=True, **fk)
+
+    for via in ("dict", "torch", "bytes"):
+        try:
+            n = check_resume(make, via=via, steps=[0, 3, 6, 100] if via != "dict" else None)
+        except ValueError as e:
+            if "via" in str(e):
+                continue
+            raise
+        assert n >= 1
+    if kind != "stream":  # a map-style state may resume with other workers
+        check_resume(make, make_resumed=lambda: make(0), steps=[1, 4])
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
