@@ -679,8 +679,8 @@ def test_round_trip_through_a_restarted_process(kind, codec, tmp_path):
         if kind == "seed_per_sample_other_bs":
             xs, ys = [torch.cat(xs)], [torch.cat(ys)]  # same samples and values, other batches
         if unordered:
-            xs = sorted(xs, key=lambda t: t[0, 0].item())
-            ys = sorted(ys, key=lambda t: t[0, 0].item())
+            xs = sorted(xs, key=lambda t: t.flatten().tolist())
+            ys = sorted(ys, key=lambda t: t.flatten().tolist())
         assert len(xs) == len(ys), f"epoch {e}"
         for x, y in zip(xs, ys):
             assert torch.equal(x, y), f"epoch {e}"
@@ -1142,7 +1142,7 @@ def test_testing_check_resume_public_helper(kind):
             return DataLoader(Stream(30), batch_size=4, **fk)
         return DataLoader(_mixture({"a": 12, "b": 9}), batch_size=4, shuffle=True, **fk)
 
-    for via in ("dict", "torch", "bytes"):
+    for via in ("dict", "torch", "bytes", "json"):
         try:
             n = check_resume(make, via=via, steps=[0, 3, 6, 100] if via != "dict" else None)
         except ValueError as e:
@@ -1152,6 +1152,47 @@ def test_testing_check_resume_public_helper(kind):
         assert n >= 1
     if kind != "stream":  # a map-style state may resume with other workers
         check_resume(make, make_resumed=lambda: make(0), steps=[1, 4])
+
+
+
+@pytest.mark.parametrize("bad_kind", ["version", "past_end", "batch_sampler_class", "mixture_source"])
+def test_refused_state_keeps_persistent_workers_and_counters(bad_kind):
+    """Persistent workers survive a refused load (the same pids, no respawn), and the open
+    iterator and next epochs continue as the twin's; in_order=False too."""
+    def make():
+        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=True, multiprocessing_context="fork", in_order=False)
+
+    a, ia, b, ib = _twins(make, 0)
+    try:
+        # in_order=False: which batches come first is a race, so compare whole epochs as sets
+        fa = [next(ia) for _ in range(3)]
+        fb = [next(ib) for _ in range(3)]
+        pids = a.statistics().worker_pids
+        before = a.state_dict()
+        bad = a.state_dict()
+        if bad_kind == "version":
+            bad["version"] = 5
+        elif bad_kind == "past_end":
+            bad["consumed"] = 11
+        elif bad_kind == "batch_sampler_class":
+            bad["config"]["batch_sampler"] = {"class": "torch.utils.data.sampler.BatchSampler", "batch_size": 4, "drop_last": False}
+        else:
+            bad["data_plan"]["sources"][1]["name"] = "c"
+        _refuse(a, bad)
+        st = a.statistics()
+        assert st.worker_pids == pids and st.respawns == 0
+        assert a.state_dict() == before
+        ra = sorted(fa + [x for x in ia], key=lambda t: t.flatten().tolist())
+        rb = sorted(fb + [x for x in ib], key=lambda t: t.flatten().tolist())
+        assert len(ra) == len(rb) and all(torch.equal(x, y) for x, y in zip(ra, rb))
+        assert a.state_dict() == b.state_dict()
+        ea = sorted(list(a), key=lambda t: t.flatten().tolist())
+        eb = sorted(list(b), key=lambda t: t.flatten().tolist())
+        assert all(torch.equal(x, y) for x, y in zip(ea, eb))
+        assert a.statistics().worker_pids == pids
+    finally:
+        a.close(); b.close()
 
 
 if __name__ == "__main__":
