@@ -1195,5 +1195,71 @@ def test_refused_state_keeps_persistent_workers_and_counters(bad_kind):
         a.close(); b.close()
 
 
+
+# -- the corpus of states saved before the move ----------------------------------------------
+
+import pathlib
+
+CORPUS = pathlib.Path(__file__).resolve().parents[1] / "data" / "states"
+CORPUS_CASES = sorted(p.stem for p in CORPUS.glob("*.json"))
+
+
+def _cases():
+    if str(CORPUS) not in sys.path:
+        sys.path.insert(0, str(CORPUS))
+    import cases
+
+    return cases
+
+
+@pytest.mark.parametrize("codec", ["torch", "json"])
+@pytest.mark.parametrize("case", CORPUS_CASES)
+def test_corpus_state_through_codecs_after_a_refusal(case, codec, tmp_path):
+    """Each pre-move state, passed through torch.save/torch.load(weights_only=True) or json,
+    loads into a loader that first refused a damaged copy of it while mid-epoch, and gives
+    the recorded batches."""
+    cases = _cases()
+    meta = json.loads((CORPUS / f"{case}.json").read_text())
+    state = load_state((CORPUS / f"{case}.state").read_bytes())
+    path = tmp_path / "s"
+    _encode(state, codec, path)
+    state2 = _decode(codec, path)
+    for run in meta["runs"]:
+        loader = cases.build(meta["builder"], run["args"])
+        try:
+            it = iter(loader)
+            next(it)
+            bad = copy.deepcopy(state2)
+            bad["version"] = 99
+            _refuse(loader, bad)
+            del it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loader.load_state_dict(state2)
+            for e, want in zip(run["set_epoch"], run["passes"]):
+                cases.start_pass(loader, e)
+                assert [cases.plain(b) for b in loader] == want, (case, e)
+        finally:
+            loader.close()
+
+
+@pytest.mark.parametrize("case", CORPUS_CASES)
+def test_corpus_state_inspect_and_skip_cli(case, tmp_path):
+    src = CORPUS / f"{case}.state"
+    r = _cli("inspect", str(src))
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    out = tmp_path / "o.state"
+    r = _cli("skip", str(src), "--samples", "1", "-o", str(out))
+    assert "Traceback" not in r.stderr, r.stderr
+    state = load_state(src.read_bytes())
+    if r.returncode == 0:
+        assert load_state(out.read_bytes()) == skip_samples(state, 1)
+    else:
+        assert r.returncode == 2, (r.returncode, r.stderr)
+        with pytest.raises(CheckpointError):
+            skip_samples(state, 1)
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
