@@ -1261,5 +1261,78 @@ def test_corpus_state_inspect_and_skip_cli(case, tmp_path):
             skip_samples(state, 1)
 
 
+
+# -- warnings at the user's line ---------------------------------------------------------------
+
+
+def _reseeding_init(worker_id):
+    torch.manual_seed(5)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_FINDING_worker_init_fn_manual_seed_warning_points_at_the_users_line(persistent):
+    """guarantees.md: a worker_init_fn that calls torch.manual_seed() is overridden "and [we]
+    say so once with a RuntimeWarning". Every other warning of the loader (the stream
+    fast-forward, on_dataset_change='continue', a reshape) is attributed to the user's line;
+    this one is attributed to resumable_loader/pipeline/supervisor/..., so `-W error::` filters
+    by module and the line shown in logs point into the library."""
+    a = DataLoader(Noisy(8), batch_size=4, num_workers=2, multiprocessing_context="fork",
+                   worker_init_fn=_reseeding_init, persistent_workers=persistent)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            it = iter(a); first = sys._getframe().f_lineno
+            next(it); second = sys._getframe().f_lineno
+            for _ in it:
+                pass
+            last = sys._getframe().f_lineno
+        ours = [x for x in w if "worker_init_fn" in str(x.message)]
+        assert len(ours) == 1, [str(x.message)[:80] for x in w]
+        assert ours[0].filename == __file__, (ours[0].filename, ours[0].lineno)
+        assert first <= ours[0].lineno <= last
+    finally:
+        a.close()
+
+
+def test_stream_fast_forward_warning_points_at_the_users_line():
+    src = DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    it = iter(src); next(it); next(it)
+    state = src.state_dict()
+    del it; src.close()
+    b = DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    try:
+        b.load_state_dict(state)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            next(iter(b)); line = sys._getframe().f_lineno
+        assert w and all(x.filename == __file__ and x.lineno == line for x in w), [(x.filename, x.lineno) for x in w]
+    finally:
+        b.close()
+
+
+def test_mixture_refused_load_and_set_weights_change_nothing():
+    m = _mixture({"a": 20, "b": 21})
+    twin = _mixture({"a": 20, "b": 21})
+    other = _mixture({"a": 20, "b": 20}).state_dict()
+    with pytest.raises(CheckpointError):
+        m.load_state_dict(other)
+    bad = copy.deepcopy(twin.state_dict()); bad["weights"] = [{"from": 0, "weights": {"a": -1.0, "b": 1.0}}]
+    with pytest.raises(CheckpointError):
+        m.load_state_dict(bad)
+    assert m.state_dict() == twin.state_dict()
+    assert [m.source_of(i) for i in range(41)] == [twin.source_of(i) for i in range(41)]
+    l = DataLoader(m, batch_size=4, num_workers=2, multiprocessing_context="fork", shuffle=True)
+    lt = DataLoader(twin, batch_size=4, num_workers=2, multiprocessing_context="fork", shuffle=True)
+    try:
+        torch.manual_seed(0); l.__init__ if False else None
+        it, itt = iter(l), iter(lt)
+        next(it); next(itt)
+        with pytest.raises(ValueError):
+            m.set_weights({"a": 2.0, "b": 1.0}, from_position=30)
+        assert m.history == twin.history and m.weights == twin.weights
+    finally:
+        l.close(); lt.close()
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
