@@ -1519,5 +1519,120 @@ def test_FINDING_public_objects_pickle_only_public_names():
     assert not bad, bad
 
 
+
+# -- mixed-up global states ---------------------------------------------------------------------
+
+
+def _global(steps=(2, 3), epoch=None, n=40, bs=4):
+    loaders = [_dist(r, 2, bs, n=n) for r in range(2)]
+    for l, k in zip(loaders, steps):
+        if epoch is not None:
+            l.sampler.set_epoch(epoch)
+        it = iter(l)
+        for _ in range(k):
+            next(it)
+    return merge_rank_states([l.state_dict() for l in loaders])
+
+
+def _rank_states(g):
+    return [load_state(base64.b64decode(x)) for x in g["ranks"]]
+
+
+def _with_rank(g, r, state):
+    g = copy.deepcopy(g)
+    g["ranks"][r] = base64.b64encode(dump_state(state)).decode()
+    return g
+
+
+def _load_on(g, world, bs):
+    out = []
+    for r in range(world):
+        l = _dist(r, world, bs)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                l.load_state_dict(g)
+            out.append("ok")
+        except CheckpointError:
+            out.append("refused")
+    return out
+
+
+def test_FINDING_global_state_with_ranks_from_different_epochs_refused_on_every_world_size():
+    """A global state whose ranks are from different epochs (rank 1's from epoch 5) is refused
+    on 1 and 3 ranks ("the ranks' states are from different epochs"), but on 2 ranks every rank
+    loads it: rank 0 continues epoch 0 and rank 1 epoch 5 -- a job whose ranks train on
+    different epochs, silently."""
+    g = _global()
+    g5 = _global(epoch=5)
+    mixed = copy.deepcopy(g)
+    mixed["ranks"][1] = g5["ranks"][1]
+    assert _load_on(mixed, 3, 3) == ["refused"] * 3
+    assert _load_on(mixed, 2, 4) == ["refused"] * 2
+
+
+def test_FINDING_global_state_with_a_rank_past_the_epoch_refused_when_reshaped():
+    """Rank 1's entry says 9 batches consumed of its 5-batch epoch (a position past the end).
+    Loaded on 2 ranks, rank 1 refuses it; loaded on 1 or 3 ranks (a re-cut) every rank accepts
+    it and the job resumes as if rank 1 had consumed its whole share."""
+    g = _global()
+    r1 = _rank_states(g)[1]
+    r1["consumed"] = 9
+    bad = _with_rank(g, 1, r1)
+    assert "refused" in _load_on(bad, 2, 4)
+    assert _load_on(bad, 3, 3) == ["refused"] * 3
+    assert _load_on(bad, 1, 4) == ["refused"]
+
+
+def test_FINDING_global_state_with_a_damaged_rank_seed_is_refused():
+    """Under a DistributedSampler a rank's epoch seed follows from the sampler's seed, its epoch
+    and the rank (guarantees.md); a rank entry whose `seed` was changed is accepted on every
+    world size."""
+    g = _global()
+    r1 = _rank_states(g)[1]
+    r1["seed"] = 123
+    bad = _with_rank(g, 1, r1)
+    assert _load_on(bad, 3, 3) == ["refused"] * 3
+    assert _load_on(bad, 2, 4)[1] == "refused"
+
+
+def test_FINDING_a_global_state_is_refused_by_every_rank_or_by_none():
+    """On the same world size each rank checks only its own entry of a global state: rank 0
+    accepts a state whose rank-1 entry is damaged (version 99), a duplicate of rank 0's, or
+    past the end of the epoch, while rank 1 refuses it. Under DDP rank 0 then enters the
+    training step and waits in its first collective for a rank that raised. On 1 or 3 ranks
+    the same states are refused by every rank."""
+    g = _global()
+    r1 = _rank_states(g)[1]
+    bads = {
+        "rank1_version99": _with_rank(g, 1, dict(r1, version=99)),
+        "rank0_twice": dict(copy.deepcopy(g), ranks=[g["ranks"][0]] * 2),
+        "rank1_past_end": _with_rank(g, 1, dict(r1, consumed=9)),
+    }
+    got = {k: _load_on(b, 2, 4) for k, b in bads.items()}
+    assert all(v in (["ok", "ok"], ["refused", "refused"]) for v in got.values()), got
+
+
+@pytest.mark.parametrize("world,bs", [(2, 4), (3, 3), (1, 5)])
+def test_refused_global_states_change_nothing(world, bs):
+    g = _global()
+    bads = []
+    b = copy.deepcopy(g); b["ranks"].reverse(); bads.append(b)
+    b = copy.deepcopy(g); b["world_size"] = 3; bads.append(b)
+    b = copy.deepcopy(g); b["version"] = 2; bads.append(b)
+    b = copy.deepcopy(g); b["ranks"][1] = b["ranks"][1][:-8] + "AAAAAAA="; bads.append(b)
+    b = copy.deepcopy(g); b["ranks"] = "x"; bads.append(b)
+    for r in range(world):
+        def make():
+            l = _dist(r, world, bs)
+            l.sampler.set_epoch(3)
+            return l
+        a, ia, tb, ib = _twins(make, 1)
+        for bad in bads:
+            _refuse(a, bad)
+            assert a.sampler.epoch == 3
+        _same_rest(a, ia, tb, ib, epochs=0)
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
