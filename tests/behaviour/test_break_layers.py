@@ -1634,5 +1634,64 @@ def test_refused_global_states_change_nothing(world, bs):
         _same_rest(a, ia, tb, ib, epochs=0)
 
 
+
+# -- smaller promises of docs/api.md ------------------------------------------------------------
+
+
+def test_import_loads_no_framework():
+    r = subprocess.run([sys.executable, "-c",
+                        "import sys, resumable_loader, resumable_loader.testing; "
+                        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'accelerate', 'transformers', 'datasets') if m in sys.modules))"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+def test_load_state_dict_takes_state_dict_by_keyword():
+    make = _make_map({}, False)
+    a, ia, b, ib = _twins(make, 2)
+    s = b.state_dict()
+    c = make()
+    c.load_state_dict(state_dict=s)
+    assert c.state_dict() == s
+
+
+def test_skip_samples_contract():
+    make = _make_map({}, False)
+    torch.manual_seed(3)
+    a = make()
+    it = iter(a); next(it)
+    s = a.state_dict()
+    frozen = copy.deepcopy(s)
+    t = skip_samples(s, 3)
+    assert s == frozen and t != s
+    with pytest.raises(ValueError):
+        skip_samples(s, -1)
+    with pytest.raises(TypeError):
+        skip_samples(s, 1.5)
+    with pytest.raises(CheckpointError):
+        skip_samples(s, 10_000)
+    st = DataLoader(Stream(20), batch_size=4)
+    with pytest.raises(CheckpointError):
+        skip_samples(st.state_dict(), 1)
+    rest = torch.cat([x[:, 0] for x in it]).tolist()
+    b = make()
+    b.load_state_dict(t)
+    assert torch.cat([x[:, 0] for x in b]).tolist() == rest[3:]
+
+
+def test_damaged_bytes_are_refused():
+    data = dump_state(DataLoader(Noisy(8), batch_size=4).state_dict())
+    for bad in (data[:-1], data[:10], b"", data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], b"RLSTATE\0" + b"\xff" * 40):
+        with pytest.raises(CheckpointError):
+            load_state(bad)
+
+
+def test_cli_without_arguments_is_usage_not_traceback():
+    r = _cli()
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    r = _cli("inspect", "/nonexistent/ckpt.pt")
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
