@@ -54,6 +54,31 @@ class Stream(IterableDataset):
             yield torch.tensor([i, int(torch.randint(0, 1_000_000, (1,)))])
 
 
+class StatefulStream(IterableDataset):
+    """A stream with its own position (state_dict/load_state_dict), sharded by worker."""
+
+    def __init__(self, n=60):
+        self.n = n
+        self.pos = 0
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        while wid + nw * self.pos < self.n:
+            i = wid + nw * self.pos
+            self.pos += 1
+            yield torch.tensor([i, int(torch.randint(0, 1_000_000, (1,)))])
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
 def _twins(make, steps):
     """Two loaders built the same way, each with an open iterator after `steps` batches."""
     torch.manual_seed(1234)
@@ -591,6 +616,8 @@ def _build(kind, resumed=False):
         return DataLoader(Noisy(40), batch_size=4, num_workers=2, in_order=False, **fork)
     if kind == "stream_w2":
         return DataLoader(Stream(60), batch_size=4, num_workers=2, **fork)
+    if kind == "stateful_stream_w2":
+        return DataLoader(StatefulStream(60), batch_size=4, num_workers=2, **fork)
     if kind == "stream_w0":
         return DataLoader(Stream(60), batch_size=4)
     if kind == "mixture_w2":
@@ -607,7 +634,7 @@ def _build(kind, resumed=False):
     raise KeyError(kind)
 
 
-KINDS = ["map_w0_to_w2", "map_gen_w2p", "seq_in_order_false", "stream_w2", "stream_w0", "mixture_w2",
+KINDS = ["map_w0_to_w2", "map_gen_w2p", "seq_in_order_false", "stream_w2", "stateful_stream_w2", "stream_w0", "mixture_w2",
          "batch_sampler", "dist_rank1", "seed_per_sample_other_bs"]
 CODECS = ["torch", "json", "dump_state"]
 
