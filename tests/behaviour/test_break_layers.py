@@ -1720,5 +1720,27 @@ def test_cli_without_arguments_is_usage_not_traceback():
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
 
 
+
+@pytest.mark.parametrize("field,value", [("epoch", 10**20), ("num_samples", 10**20)])
+def test_FINDING_data_plan_disagreeing_with_the_state_is_refused(field, value):
+    """A state's data_plan whose epoch (10**20, the state's is 0) or num_samples (10**20, the
+    config's dataset_len is 40) disagrees with the rest of the state is accepted; the epoch is
+    even installed: the loader's Mixture reports epoch 10**20 (and mix[i] indexes into it)
+    until the next iter()."""
+    make = lambda: DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True)
+    torch.manual_seed(1)
+    src = make()
+    it = iter(src); next(it); next(it)
+    bad = src.state_dict()
+    bad["data_plan"][field] = value
+    a = make()
+    before = a.dataset.state_dict()
+    try:
+        with pytest.raises(CheckpointError):
+            a.load_state_dict(bad)
+    finally:
+        assert a.dataset.epoch in (0, before["epoch"]), a.dataset.epoch
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
