@@ -1742,5 +1742,28 @@ def test_FINDING_data_plan_disagreeing_with_the_state_is_refused(field, value):
         assert a.dataset.epoch in (0, before["epoch"]), a.dataset.epoch
 
 
+
+@pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
+def test_invariants_hold_after_refusals(kw):
+    make = _make_map(kw, False)
+    torch.manual_seed(99)
+    src = make()
+    it = iter(src)
+    for _ in range(5):
+        next(it)
+    good = src.state_dict()
+    del it; src.close()
+    a = make()
+    try:
+        ia = iter(a); next(ia)
+        for bad in _bad_states(good).values():
+            _refuse(a, bad)
+            a.check_invariants()
+        next(ia)
+        a.check_invariants()
+    finally:
+        a.close()
+
+
 if __name__ == "__main__":
     _child(*sys.argv[1:5])
