@@ -5,9 +5,10 @@ Every check compares a loader against an untouched twin built the same way."""
 
 from __future__ import annotations
 
+import base64
 import copy
-import io
 import json
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -15,7 +16,12 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, Dataset, DistributedSampler, IterableDataset, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+)
 
 from resumable_loader import (
     CheckpointError,
@@ -135,20 +141,49 @@ WORKER_CONFIGS = [
 def _bad_states(good):
     """States refused at different depths, derived from a good state of the same loader."""
     out = {}
-    s = copy.deepcopy(good); s["version"] = 999; out["version"] = s
-    s = copy.deepcopy(good); s["format"] = "something.else"; out["format"] = s
-    s = copy.deepcopy(good); s["config"]["world_size"] = 2; s["config"]["rank"] = 1; out["world_size"] = s
-    s = copy.deepcopy(good); s["config"]["dataset_len"] = 41; out["dataset_len"] = s
-    s = copy.deepcopy(good); s["consumed"] = 10_000; out["past_end"] = s
-    s = copy.deepcopy(good); s["consumed"] = -1; out["negative"] = s
-    s = copy.deepcopy(good); s["seed_chain"] = {"next": "x", "root": None}; out["seed_chain"] = s
-    s = copy.deepcopy(good); s["seed"] = None; out["seed_none"] = s
-    s = copy.deepcopy(good); s["skipped"] = "nope"; out["skipped"] = s
-    s = copy.deepcopy(good); del s["config"]["batch_size"]; out["missing_bs"] = s
-    s = copy.deepcopy(good); s["epoch"] = -3; out["epoch"] = s
-    s = copy.deepcopy(good); s["config"] = [1, 2]; out["config_type"] = s
-    s = copy.deepcopy(good); s["dataset"]["class"] = "Other"; out["class"] = s
-    s = copy.deepcopy(good); s["config"]["drop_last"] = True; out["drop_last"] = s
+    s = copy.deepcopy(good)
+    s["version"] = 999
+    out["version"] = s
+    s = copy.deepcopy(good)
+    s["format"] = "something.else"
+    out["format"] = s
+    s = copy.deepcopy(good)
+    s["config"]["world_size"] = 2
+    s["config"]["rank"] = 1
+    out["world_size"] = s
+    s = copy.deepcopy(good)
+    s["config"]["dataset_len"] = 41
+    out["dataset_len"] = s
+    s = copy.deepcopy(good)
+    s["consumed"] = 10_000
+    out["past_end"] = s
+    s = copy.deepcopy(good)
+    s["consumed"] = -1
+    out["negative"] = s
+    s = copy.deepcopy(good)
+    s["seed_chain"] = {"next": "x", "root": None}
+    out["seed_chain"] = s
+    s = copy.deepcopy(good)
+    s["seed"] = None
+    out["seed_none"] = s
+    s = copy.deepcopy(good)
+    s["skipped"] = "nope"
+    out["skipped"] = s
+    s = copy.deepcopy(good)
+    del s["config"]["batch_size"]
+    out["missing_bs"] = s
+    s = copy.deepcopy(good)
+    s["epoch"] = -3
+    out["epoch"] = s
+    s = copy.deepcopy(good)
+    s["config"] = [1, 2]
+    out["config_type"] = s
+    s = copy.deepcopy(good)
+    s["dataset"]["class"] = "Other"
+    out["class"] = s
+    s = copy.deepcopy(good)
+    s["config"]["drop_last"] = True
+    out["drop_last"] = s
     return out
 
 
@@ -181,7 +216,8 @@ def test_refused_states_change_nothing_map(kw, generator):
             assert a.state_dict() == b.state_dict(), name
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 def test_refused_states_each_alone_w2p():
@@ -196,13 +232,14 @@ def test_refused_states_each_alone_w2p():
     good = src.state_dict()
     del it
     src.close()
-    for name, bad in _bad_states(good).items():
+    for _name, bad in _bad_states(good).items():
         a, ia, b, ib = _twins(make, 2)
         try:
             _refuse(a, bad)
             _same_rest(a, ia, b, ib, epochs=1)
         finally:
-            a.close(); b.close()
+            a.close()
+            b.close()
 
 
 @pytest.mark.parametrize("kw", WORKER_CONFIGS[:2], ids=["w0", "w2"])
@@ -213,32 +250,42 @@ def test_refused_other_batch_size_under_batch_sampler(kw):
         return DataLoader(Noisy(40), batch_sampler=bsamp, **kw)
 
     src = make(5)
-    it = iter(src); next(it); next(it)
+    it = iter(src)
+    next(it)
+    next(it)
     good = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     a, ia, b, ib = _twins(make, 3)
     try:
         _refuse(a, good)
         _sampler_same(a, b)
-        assert torch.equal(a.batch_sampler.sampler.generator.get_state(), b.batch_sampler.sampler.generator.get_state())
+        assert torch.equal(
+            a.batch_sampler.sampler.generator.get_state(),
+            b.batch_sampler.sampler.generator.get_state(),
+        )
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 def test_refused_other_world_size_non_distributed_sampler():
     """A global state of 2 ranks under a plain RandomSampler, loaded into one loader (another
     world size with a non-distributed sampler)."""
+
     def make():
         return DataLoader(Noisy(40), batch_size=4, shuffle=True)
 
     states = []
     for r in range(2):
         torch.manual_seed(5)
-        l = make()
-        it = iter(l); next(it)
-        s = l.state_dict()
-        s["config"]["world_size"] = 2; s["config"]["rank"] = r
+        ld = make()
+        it = iter(ld)
+        next(it)
+        s = ld.state_dict()
+        s["config"]["world_size"] = 2
+        s["config"]["rank"] = r
         states.append(s)
     try:
         glob = merge_rank_states(states)
@@ -258,15 +305,20 @@ def _mixture(sizes, seed=0, weights=None):
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
 def test_refused_mixture_changed_sources(kw):
     def make(sizes=None, weights=None):
-        return DataLoader(_mixture(sizes or {"a": 20, "b": 20}, weights=weights), batch_size=4, shuffle=True, **kw)
+        return DataLoader(
+            _mixture(sizes or {"a": 20, "b": 20}, weights=weights), batch_size=4, shuffle=True, **kw
+        )
 
     bads = []
     for sizes in ({"a": 20, "c": 20}, {"a": 20, "b": 21}, {"a": 20, "b": 20, "c": 4}, {"a": 20}):
         torch.manual_seed(1)
         src = make(sizes)
-        it = iter(src); next(it); next(it)
+        it = iter(src)
+        next(it)
+        next(it)
         bads.append(src.state_dict())
-        del it; src.close()
+        del it
+        src.close()
     a, ia, b, ib = _twins(make, 3)
     try:
         for bad in bads:
@@ -280,7 +332,8 @@ def test_refused_mixture_changed_sources(kw):
             assert ma.state_dict() == mb.state_dict()
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
@@ -290,14 +343,21 @@ def test_refused_mixture_plan_damaged(kw):
 
     torch.manual_seed(1)
     src = make()
-    it = iter(src); next(it); next(it)
+    it = iter(src)
+    next(it)
+    next(it)
     good = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     plan_key = next((k for k in good if k == "data_plan"), None)
     assert plan_key, sorted(good)
     bads = []
+
     def damaged(f):
-        s = copy.deepcopy(good); f(s[plan_key]); bads.append(s)
+        s = copy.deepcopy(good)
+        f(s[plan_key])
+        bads.append(s)
+
     for k in list(good[plan_key]):
         damaged(lambda p, k=k: p.pop(k))
         damaged(lambda p, k=k: p.__setitem__(k, "garbage"))
@@ -321,12 +381,14 @@ def test_refused_mixture_plan_damaged(kw):
         if ia is not None:
             _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
 def test_refused_position_past_end_of_new_data_with_continue(kw):
     """on_dataset_change='continue' with a position past the end of the new data is refused."""
+
     def make(n=40):
         return DataLoader(Noisy(n), batch_size=4, shuffle=False, **kw)
 
@@ -335,17 +397,20 @@ def test_refused_position_past_end_of_new_data_with_continue(kw):
     for _ in range(15):
         next(it)
     good = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     a, ia, b, ib = _twins(make, 3)
     try:
         _refuse(a, good, on_dataset_change="continue")
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 def test_refused_mixture_new_weights_bad_then_twin():
     """A Mixture whose weights were changed, then a refused load: weights/history unchanged."""
+
     def make():
         return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True)
 
@@ -370,6 +435,7 @@ def _good_map_state():
     return make, src.state_dict()
 
 
+@pytest.mark.xfail(strict=True, reason="finding 5: delivered_ahead past the epoch accepted")
 def test_FINDING_delivered_ahead_past_the_epoch_is_refused():
     """docs/guarantees.md: load_state_dict "refuses anything malformed ... naming the field".
     delivered_ahead=[3] (below consumed) is refused as damaged, but a batch id past the end of
@@ -382,6 +448,7 @@ def test_FINDING_delivered_ahead_past_the_epoch_is_refused():
         a.load_state_dict(bad)
 
 
+@pytest.mark.xfail(strict=True, reason="finding 6: seed >= 2**64 accepted")
 def test_FINDING_seed_outside_64_bits_is_refused():
     """seed_chain.root must be an int in [0, 2**63) or the state is refused as damaged; the
     epoch's own `seed` of 2**64 (no loader can write it) is accepted and drives the epoch."""
@@ -393,6 +460,7 @@ def test_FINDING_seed_outside_64_bits_is_refused():
         a.load_state_dict(bad)
 
 
+@pytest.mark.xfail(strict=True, reason="finding 7: a skipped task past the epoch accepted")
 def test_FINDING_skipped_task_past_the_epoch_is_refused():
     """`skipped` records poison batches skipped ([epoch, task id, indices]); a task id past the
     epoch's 10 batches, in the epoch the state is in, is accepted silently."""
@@ -421,6 +489,7 @@ def test_refused_continue_state_emits_no_warning_and_changes_nothing(kw):
     """A state on changed data, loaded with on_dataset_change='continue' but refused (its
     position is past the end of the new data): no warning (the plan's warnings are emitted
     only when it is applied), and the loader continues as its twin."""
+
     def make(n=40, fp="v1"):
         return DataLoader(Fingerprinted(n, fp), batch_size=4, shuffle=True, **kw)
 
@@ -430,7 +499,8 @@ def test_refused_continue_state_emits_no_warning_and_changes_nothing(kw):
     for _ in range(15):
         next(it)
     bad = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     a, ia, b, ib = _twins(make, 2)
     try:
         with warnings.catch_warnings(record=True) as w:
@@ -440,7 +510,8 @@ def test_refused_continue_state_emits_no_warning_and_changes_nothing(kw):
         assert [str(x.message) for x in w] == []
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 def test_bad_on_dataset_change_value_changes_nothing():
@@ -462,12 +533,17 @@ def test_refused_state_keeps_a_loaded_position(kw):
     for _ in range(4):
         next(it)
     good = src.state_dict()
-    del it; src.close()
-    bad = copy.deepcopy(good); bad["consumed"] = 999
-    torch.manual_seed(1); a = make()
-    torch.manual_seed(1); b = make()
+    del it
+    src.close()
+    bad = copy.deepcopy(good)
+    bad["consumed"] = 999
+    torch.manual_seed(1)
+    a = make()
+    torch.manual_seed(1)
+    b = make()
     try:
-        a.load_state_dict(good); b.load_state_dict(good)
+        a.load_state_dict(good)
+        b.load_state_dict(good)
         _refuse(a, bad)
         _sampler_same(a, b)
         assert a.state_dict() == b.state_dict() == good
@@ -476,23 +552,29 @@ def test_refused_state_keeps_a_loaded_position(kw):
             assert len(ea) == len(eb)
             assert all(torch.equal(x, y) for x, y in zip(ea, eb))
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
 def test_refused_between_epochs(kw):
     make = _make_map(kw, False)
-    torch.manual_seed(1); a = make()
-    torch.manual_seed(1); b = make()
+    torch.manual_seed(1)
+    a = make()
+    torch.manual_seed(1)
+    b = make()
     try:
-        list(a); list(b)
-        s = a.state_dict(); s["version"] = 1
+        list(a)
+        list(b)
+        s = a.state_dict()
+        s["version"] = 1
         _refuse(a, s)
         assert a.state_dict() == b.state_dict()
         for _ in range(2):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
@@ -506,18 +588,26 @@ def test_refused_under_distributed_sampler_keeps_its_epoch(kw):
     a, ia, b, ib = _twins(make, 2)
     try:
         good = a.state_dict()
-        for mod in (lambda s: s["config"].__setitem__("rank", 0),
-                    lambda s: s["config"].__setitem__("world_size", 3),
-                    lambda s: s.__setitem__("distributed", "x"),
-                    lambda s: s.__setitem__("consumed", 99),
-                    lambda s: s["distributed"].__setitem__("sampler_epoch", -1) if isinstance(s.get("distributed"), dict) else s.__setitem__("version", 0)):
-            bad = copy.deepcopy(good); mod(bad)
+        for mod in (
+            lambda s: s["config"].__setitem__("rank", 0),
+            lambda s: s["config"].__setitem__("world_size", 3),
+            lambda s: s.__setitem__("distributed", "x"),
+            lambda s: s.__setitem__("consumed", 99),
+            lambda s: (
+                s["distributed"].__setitem__("sampler_epoch", -1)
+                if isinstance(s.get("distributed"), dict)
+                else s.__setitem__("version", 0)
+            ),
+        ):
+            bad = copy.deepcopy(good)
+            mod(bad)
             _refuse(a, bad)
             assert a.sampler.epoch == b.sampler.epoch == 4
             assert a.state_dict() == b.state_dict()
         _same_rest(a, ia, b, ib, epochs=1)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 class Toggle(Noisy):
@@ -544,59 +634,85 @@ def test_fingerprint_raising_in_load_changes_nothing():
     _same_rest(a, ia, b, ib)
 
 
-@pytest.mark.parametrize("kw", [dict(num_workers=0), dict(num_workers=2, multiprocessing_context="fork"),
-                                dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork")],
-                         ids=["w0", "w2", "w2p"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_workers=0),
+        dict(num_workers=2, multiprocessing_context="fork"),
+        dict(num_workers=2, persistent_workers=True, multiprocessing_context="fork"),
+    ],
+    ids=["w0", "w2", "w2p"],
+)
 def test_refused_stream_states_change_nothing(kw):
     def make(bs=4, **over):
-        k = dict(kw); k.update(over)
+        k = dict(kw)
+        k.update(over)
         return DataLoader(Stream(60), batch_size=bs, **k)
 
     torch.manual_seed(2)
     src = make(5)
-    it = iter(src); next(it); next(it)
+    it = iter(src)
+    next(it)
+    next(it)
     other_bs = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     a, ia, b, ib = _twins(make, 3)
     try:
         _refuse(a, other_bs)
         s = a.state_dict()
-        if "workers" in s and s["workers"]:
-            bad = copy.deepcopy(s); bad["workers"] = bad["workers"][:1] if len(bad["workers"]) > 1 else bad["workers"] * 3
+        if s.get("workers"):
+            bad = copy.deepcopy(s)
+            bad["workers"] = bad["workers"][:1] if len(bad["workers"]) > 1 else bad["workers"] * 3
             _refuse(a, bad)
-            bad = copy.deepcopy(s); bad["workers"] = "x"
+            bad = copy.deepcopy(s)
+            bad["workers"] = "x"
             _refuse(a, bad)
-        bad = copy.deepcopy(s); bad["config"]["num_workers"] = 7
+        bad = copy.deepcopy(s)
+        bad["config"]["num_workers"] = 7
         _refuse(a, bad)
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 def test_mixture_weights_changed_between_epochs_then_refused():
     """set_weights between epochs, then a refused load: the mixture keeps the new weights and
     the loader continues as the twin that got the same set_weights."""
-    def make():
-        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True,
-                          num_workers=2, persistent_workers=True, multiprocessing_context="fork")
 
-    torch.manual_seed(1); a = make()
-    torch.manual_seed(1); b = make()
+    def make():
+        return DataLoader(
+            _mixture({"a": 20, "b": 20}),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context="fork",
+        )
+
+    torch.manual_seed(1)
+    a = make()
+    torch.manual_seed(1)
+    b = make()
     try:
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-        for l in (a, b):
-            l.dataset.set_weights({"a": 3.0, "b": 1.0}, from_position=len(l.dataset))
+        for ld in (a, b):
+            ld.dataset.set_weights({"a": 3.0, "b": 1.0}, from_position=len(ld.dataset))
         ia, ib = iter(a), iter(b)
-        next(ia); next(ib)
+        next(ia)
+        next(ib)
         bad = a.state_dict()
         bad["data_plan"]["weights"] = [{"from": 0, "weights": {"a": 1.0, "b": -1.0}}]
         _refuse(a, bad)
-        bad = a.state_dict(); bad["data_plan"]["seed"] = "s"
+        bad = a.state_dict()
+        bad["data_plan"]["seed"] = "s"
         _refuse(a, bad)
         assert a.dataset.history == b.dataset.history
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
 # -- states through a restarted process -------------------------------------------------------
@@ -607,11 +723,22 @@ def _build(kind, resumed=False):
     docs allow: num_workers for map-style data, the batch size for a sample cursor)."""
     fork = dict(multiprocessing_context="fork")
     if kind == "map_w0_to_w2":
-        return DataLoader(Noisy(40), batch_size=4, shuffle=True,
-                          **(dict(num_workers=2, **fork) if resumed else {}))
+        return DataLoader(
+            Noisy(40),
+            batch_size=4,
+            shuffle=True,
+            **(dict(num_workers=2, **fork) if resumed else {}),
+        )
     if kind == "map_gen_w2p":
-        return DataLoader(Noisy(40), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5 if not resumed else 6),
-                          num_workers=2, persistent_workers=True, **fork)
+        return DataLoader(
+            Noisy(40),
+            batch_size=4,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5 if not resumed else 6),
+            num_workers=2,
+            persistent_workers=True,
+            **fork,
+        )
     if kind == "seq_in_order_false":
         return DataLoader(Noisy(40), batch_size=4, num_workers=2, in_order=False, **fork)
     if kind == "stream_w2":
@@ -621,21 +748,42 @@ def _build(kind, resumed=False):
     if kind == "stream_w0":
         return DataLoader(Stream(60), batch_size=4)
     if kind == "mixture_w2":
-        return DataLoader(_mixture({"a": 20, "b": 13}), batch_size=4, shuffle=True, num_workers=2, **fork)
+        return DataLoader(
+            _mixture({"a": 20, "b": 13}), batch_size=4, shuffle=True, num_workers=2, **fork
+        )
     if kind == "batch_sampler":
         g = torch.Generator().manual_seed(9)
-        return DataLoader(Noisy(40), batch_sampler=BatchSampler(torch.utils.data.RandomSampler(range(40), generator=g), 6, True))
+        return DataLoader(
+            Noisy(40),
+            batch_sampler=BatchSampler(
+                torch.utils.data.RandomSampler(range(40), generator=g), 6, True
+            ),
+        )
     if kind == "dist_rank1":
         ds = Noisy(40)
         s = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=4)
-        return DataLoader(ds, batch_size=3, sampler=s, **(dict(num_workers=2, **fork) if resumed else {}))
+        return DataLoader(
+            ds, batch_size=3, sampler=s, **(dict(num_workers=2, **fork) if resumed else {})
+        )
     if kind == "seed_per_sample_other_bs":
-        return DataLoader(Noisy(40), batch_size=3 if resumed else 5, shuffle=True, seed_per_sample=True)
+        return DataLoader(
+            Noisy(40), batch_size=3 if resumed else 5, shuffle=True, seed_per_sample=True
+        )
     raise KeyError(kind)
 
 
-KINDS = ["map_w0_to_w2", "map_gen_w2p", "seq_in_order_false", "stream_w2", "stateful_stream_w2", "stream_w0", "mixture_w2",
-         "batch_sampler", "dist_rank1", "seed_per_sample_other_bs"]
+KINDS = [
+    "map_w0_to_w2",
+    "map_gen_w2p",
+    "seq_in_order_false",
+    "stream_w2",
+    "stateful_stream_w2",
+    "stream_w0",
+    "mixture_w2",
+    "batch_sampler",
+    "dist_rank1",
+    "seed_per_sample_other_bs",
+]
 CODECS = ["torch", "json", "dump_state"]
 
 
@@ -671,6 +819,7 @@ def _decode(codec, path):
 def _child(kind, codec, path, out):
     torch.manual_seed(4242)  # a restarted script with another seed
     import random
+
     random.seed(1)
     loader = _build(kind, resumed=True)
     loader.load_state_dict(_decode(codec, path))
@@ -679,6 +828,7 @@ def _child(kind, codec, path, out):
     loader.close()
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_through_a_restarted_process(kind, codec, tmp_path):
@@ -690,13 +840,16 @@ def test_round_trip_through_a_restarted_process(kind, codec, tmp_path):
     state = loader.state_dict()
     before = copy.deepcopy(state)
     expected = _rest(loader, it, epochs=1)
-    final = loader.state_dict()
     loader.close()
     path = tmp_path / "state"
     _encode(state, codec, path)
     out = tmp_path / "out.pt"
-    r = subprocess.run([sys.executable, __file__, kind, codec, str(path), str(out)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, __file__, kind, codec, str(path), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = torch.load(out, weights_only=True)
     rest = got["rest"]
@@ -714,15 +867,34 @@ def test_round_trip_through_a_restarted_process(kind, codec, tmp_path):
     assert state == before
 
 
-
-
 # -- the public surface ----------------------------------------------------------------------
 
-API_NAMES = ["DataLoader", "RetryPolicy", "LoaderStatistics", "Mixture", "CheckpointError",
-             "WorkerCrashError", "LoaderClosedError", "dump_state", "load_state",
-             "merge_rank_states", "save_checkpoint", "skip_samples", "__version__"]
-TESTING_NAMES = ["check_resume", "Fault", "FaultyDataset", "FaultyStream", "kill_worker", "kill_at",
-                 "ShmFailure", "Resources", "leaks_since"]
+API_NAMES = [
+    "DataLoader",
+    "RetryPolicy",
+    "LoaderStatistics",
+    "Mixture",
+    "CheckpointError",
+    "WorkerCrashError",
+    "LoaderClosedError",
+    "dump_state",
+    "load_state",
+    "merge_rank_states",
+    "save_checkpoint",
+    "skip_samples",
+    "__version__",
+]
+TESTING_NAMES = [
+    "check_resume",
+    "Fault",
+    "FaultyDataset",
+    "FaultyStream",
+    "kill_worker",
+    "kill_at",
+    "ShmFailure",
+    "Resources",
+    "leaks_since",
+]
 
 
 def test_public_names_importable_documented_and_pickle_by_reference():
@@ -747,11 +919,14 @@ def test_public_names_importable_documented_and_pickle_by_reference():
     assert issubclass(resumable_loader.DataLoader, torch.utils.data.DataLoader)
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 def test_integration_modules_are_where_the_docs_say():
     import importlib
 
-    for mod, name in [("resumable_loader.integrations.accelerate", "prepare_data_loader"),
-                      ("resumable_loader.integrations.transformers", "ResumableTrainer")]:
+    for mod, name in [
+        ("resumable_loader.integrations.accelerate", "prepare_data_loader"),
+        ("resumable_loader.integrations.transformers", "ResumableTrainer"),
+    ]:
         try:
             m = importlib.import_module(mod)
         except ImportError as e:  # the framework is not installed: the error names it
@@ -775,6 +950,7 @@ def test_our_samplers_pickle():
         assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
 
 
+@pytest.mark.xfail(strict=True, reason="finding 3: LoaderStatistics holds a mappingproxy")
 def test_FINDING_statistics_snapshot_pickles():
     """statistics() is "a frozen snapshot" of a public type (LoaderStatistics): a snapshot of
     plain counters that cannot be pickled (to a metrics process, a log, a checkpoint) breaks
@@ -792,17 +968,28 @@ def test_FINDING_statistics_snapshot_pickles():
 def _tensor_mixture():
     from torch.utils.data import TensorDataset
 
-    return Mixture({"a": TensorDataset(torch.arange(30)), "b": TensorDataset(torch.arange(100, 117))},
-                   {"a": 2.0, "b": 1.0}, seed=3)
+    return Mixture(
+        {"a": TensorDataset(torch.arange(30)), "b": TensorDataset(torch.arange(100, 117))},
+        {"a": 2.0, "b": 1.0},
+        seed=3,
+    )
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_mixture_and_resume_under_spawn_and_forkserver(method):
     """Public objects travel to spawn/forkserver workers by reference; a state taken under fork
     resumes under `method` exactly."""
+
     def make(ctx):
-        return DataLoader(_tensor_mixture(), batch_size=4, shuffle=True, num_workers=2,
-                          multiprocessing_context=ctx, seed_per_sample=True)
+        return DataLoader(
+            _tensor_mixture(),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            multiprocessing_context=ctx,
+            seed_per_sample=True,
+        )
 
     torch.manual_seed(8)
     a = make("fork")
@@ -828,13 +1015,15 @@ def test_continue_warning_points_at_the_callers_line():
         return DataLoader(Fingerprinted(40, fp), batch_size=4, shuffle=True)
 
     src = make("v0")
-    it = iter(src); next(it)
+    it = iter(src)
+    next(it)
     state = src.state_dict()
     del it
     a = make("v1")
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        a.load_state_dict(state, on_dataset_change="continue"); line = sys._getframe().f_lineno
+        line = sys._getframe().f_lineno + 1
+        a.load_state_dict(state, on_dataset_change="continue")
     assert len(w) == 1, [str(x.message) for x in w]
     assert w[0].filename == __file__ and w[0].lineno == line, (w[0].filename, w[0].lineno)
 
@@ -845,7 +1034,7 @@ def test_pin_memory_warning_points_at_the_callers_line():
     a = DataLoader(Noisy(8), batch_size=4, pin_memory=True)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        it = iter(a); line = sys._getframe().f_lineno
+        it = iter(a)
         next(it)
     ours = [x for x in w if x.filename == __file__]
     assert ours, [(x.filename, x.lineno, str(x.message)[:60]) for x in w]
@@ -855,13 +1044,20 @@ def test_pin_memory_warning_points_at_the_callers_line():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "resumable_loader", *args], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "resumable_loader", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 def test_cli_inspect_and_skip_on_a_torch_checkpoint(tmp_path):
     torch.manual_seed(21)
-    loader = DataLoader(Noisy(40), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork")
+    loader = DataLoader(
+        Noisy(40), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork"
+    )
     it = iter(loader)
     for _ in range(3):
         next(it)
@@ -873,7 +1069,12 @@ def test_cli_inspect_and_skip_on_a_torch_checkpoint(tmp_path):
     torch.save({"model": model, "loader": state}, path)
     r = _cli("inspect", str(path), "--key", "loader")
     assert r.returncode == 0, r.stderr
-    for needle in ("map, 40 samples", "batch_size     4", "num_workers    2", "rank 0 of world size 1"):
+    for needle in (
+        "map, 40 samples",
+        "batch_size     4",
+        "num_workers    2",
+        "rank 0 of world size 1",
+    ):
         assert needle in r.stdout, (needle, r.stdout)
     r2 = _cli("inspect", str(path))  # the one state found in the file
     assert r2.returncode == 0, r2.stderr
@@ -895,10 +1096,12 @@ def test_cli_inspect_and_skip_on_a_torch_checkpoint(tmp_path):
     assert torch.load(path, weights_only=True)["loader"] == state
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 def test_cli_inspect_dump_state_bytes_and_mixture(tmp_path):
     torch.manual_seed(2)
     loader = DataLoader(_mixture({"code": 11, "web": 20}), batch_size=4, shuffle=True)
-    it = iter(loader); next(it)
+    it = iter(loader)
+    next(it)
     state = loader.state_dict()
     path = tmp_path / "loader.rls"
     from resumable_loader import save_checkpoint
@@ -913,6 +1116,7 @@ def test_cli_inspect_dump_state_bytes_and_mixture(tmp_path):
     assert load_state((tmp_path / "o.rls").read_bytes()) == skip_samples(state, 3)
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 def test_cli_two_states_refused(tmp_path):
     loader = DataLoader(Noisy(40), batch_size=4)
     s = loader.state_dict()
@@ -923,8 +1127,6 @@ def test_cli_two_states_refused(tmp_path):
     assert "a.loader" in (r.stderr + r.stdout) and "b.0.loader" in (r.stderr + r.stdout)
 
 
-
-
 # -- another batch size: drop_last, DistributedSampler global states ---------------------------
 
 
@@ -933,6 +1135,7 @@ def test_cli_two_states_refused(tmp_path):
 def test_drop_last_state_resumed_with_another_batch_size(b0, b1, codec, tmp_path):
     """data-plans.md: with drop_last the resumed epoch drops fewer than b' samples, every other
     sample once; later epochs are cut as a job built with b' from the start."""
+
     def make(bs):
         torch.manual_seed(17)
         return DataLoader(Noisy(40), batch_size=bs, shuffle=True, drop_last=True)
@@ -977,26 +1180,30 @@ def _dist(rank, world, bs, n=40, **kw):
 def test_distributed_global_state_other_batch_size_and_world(world1, bs1, codec, tmp_path):
     steps = [2, 3]  # the ranks stand one batch apart
     loaders = [_dist(r, 2, 4) for r in range(2)]
-    its = [iter(l) for l in loaders]
+    its = [iter(ld) for ld in loaders]
     consumed = []
     for it, k in zip(its, steps):
         for _ in range(k):
             consumed += next(it)[:, 0].tolist()
-    glob = merge_rank_states([l.state_dict() for l in loaders])
-    for l in loaders:
-        l.close()
+    glob = merge_rank_states([ld.state_dict() for ld in loaders])
+    for ld in loaders:
+        ld.close()
     path = tmp_path / "g"
     _encode(glob, codec, path)
     glob = _decode(codec, path)
     got = []
     for r in range(world1):
-        l = _dist(r, world1, bs1)
-        l.load_state_dict(glob)
-        batches = list(l)
+        ld = _dist(r, world1, bs1)
+        ld.load_state_dict(glob)
+        batches = list(ld)
         assert all(len(x) <= bs1 for x in batches)
         got += torch.cat([x[:, 0] for x in batches]).tolist() if batches else []
-        st = l.state_dict()
-        assert st["distributed"]["sampler_epoch"] == 1 if isinstance(st.get("distributed"), dict) else True
+        st = ld.state_dict()
+        assert (
+            st["distributed"]["sampler_epoch"] == 1
+            if isinstance(st.get("distributed"), dict)
+            else True
+        )
     remaining = sorted(set(range(40)) - set(consumed))
     assert sorted(set(got)) == remaining
     assert len(got) - len(remaining) < world1  # only DistributedSampler's padding repeats
@@ -1005,31 +1212,36 @@ def test_distributed_global_state_other_batch_size_and_world(world1, bs1, codec,
 @pytest.mark.parametrize("world1", [2, 3])
 def test_distributed_global_state_skip_then_other_batch_size(world1):
     loaders = [_dist(r, 2, 4) for r in range(2)]
-    its = [iter(l) for l in loaders]
+    its = [iter(ld) for ld in loaders]
     consumed = []
     for it in its:
         for _ in range(2):
             consumed += next(it)[:, 0].tolist()
-    glob = merge_rank_states([l.state_dict() for l in loaders])
+    glob = merge_rank_states([ld.state_dict() for ld in loaders])
     skipped = skip_samples(glob, 5)
     got = []
     for r in range(world1):
-        l = _dist(r, world1, 3)
-        l.load_state_dict(skipped)
-        got += [i for x in l for i in x[:, 0].tolist()]
+        ld = _dist(r, world1, 3)
+        ld.load_state_dict(skipped)
+        got += [i for x in ld for i in x[:, 0].tolist()]
     remaining = set(range(40)) - set(consumed)
     assert len(set(got)) == len(remaining) - 5
     assert set(got) <= remaining
-
 
 
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
 def test_refused_after_the_mixture_plan_was_built(kw):
     """States whose Mixture part is acceptable (other weights; on 'continue', another source
     length) but which are refused elsewhere: the mixture keeps its weights, history and plan."""
+
     def make(weights=None, sizes=None, inorder=True):
-        return DataLoader(_mixture(sizes or {"a": 20, "b": 20}, weights=weights), batch_size=4, shuffle=True,
-                          in_order=inorder if kw.get("num_workers") else True, **kw)
+        return DataLoader(
+            _mixture(sizes or {"a": 20, "b": 20}, weights=weights),
+            batch_size=4,
+            shuffle=True,
+            in_order=inorder if kw.get("num_workers") else True,
+            **kw,
+        )
 
     bads = []
     torch.manual_seed(4)
@@ -1038,20 +1250,26 @@ def test_refused_after_the_mixture_plan_was_built(kw):
     for _ in range(3):
         next(it)
     s0 = src.state_dict()
-    del it; src.close()
-    for mod in (lambda s: s.__setitem__("delivered_ahead", [2]),
-                lambda s: s.__setitem__("consumed", 500),
-                lambda s: s.__setitem__("skipped", [[0, 1]]),
-                lambda s: s["seed_chain"].__setitem__("root", -1),
-                lambda s: s["config"].__setitem__("drop_last", True)):
-        b = copy.deepcopy(s0); mod(b); bads.append((b, {}))
+    del it
+    src.close()
+    for mod in (
+        lambda s: s.__setitem__("delivered_ahead", [2]),
+        lambda s: s.__setitem__("consumed", 500),
+        lambda s: s.__setitem__("skipped", [[0, 1]]),
+        lambda s: s["seed_chain"].__setitem__("root", -1),
+        lambda s: s["config"].__setitem__("drop_last", True),
+    ):
+        b = copy.deepcopy(s0)
+        mod(b)
+        bads.append((b, {}))
     torch.manual_seed(4)
     src = make(sizes={"a": 20, "b": 30})
     it = iter(src)
     for _ in range(12):
         next(it)
     s1 = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     bads.append((s1, {"on_dataset_change": "continue"}))  # past the end of the new data
     a, ia, b, ib = _twins(make, 2)
     try:
@@ -1063,32 +1281,37 @@ def test_refused_after_the_mixture_plan_was_built(kw):
             assert a.state_dict() == b.state_dict()
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
+@pytest.mark.xfail(
+    strict=True, reason="finding 13: the reshape warning counts skipped samples as delivered"
+)
 def test_FINDING_skip_then_reshape_warning_counts_skipped_samples_as_delivered():
     """After skip_samples(global, 5) the reshape warning says "40 of the epoch's 40 samples are
     delivered": 5 of them were skipped and are never delivered."""
     loaders = [_dist(r, 2, 4) for r in range(2)]
-    for l in loaders:
-        it = iter(l)
+    for ld in loaders:
+        it = iter(ld)
         for _ in range(2):
             next(it)
-    glob = skip_samples(merge_rank_states([l.state_dict() for l in loaders]), 5)
-    l = _dist(0, 3, 3)
+    glob = skip_samples(merge_rank_states([ld.state_dict() for ld in loaders]), 5)
+    ld = _dist(0, 3, 3)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        l.load_state_dict(glob)
+        ld.load_state_dict(glob)
     msgs = [str(x.message) for x in w]
     assert msgs and not any("40 of the epoch's 40 samples are delivered" in m for m in msgs), msgs
-
 
 
 # -- stream states whose parts contradict each other ----------------------------------------
 
 
 def _stream_state():
-    make = lambda: DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    def make():
+        return DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
+
     src = make()
     it = iter(src)
     for _ in range(3):
@@ -1102,14 +1325,17 @@ def _stream_state():
     return make, good
 
 
+@pytest.mark.xfail(strict=True, reason="finding 8: stream consumed != sum(delivered) accepted")
 def test_FINDING_stream_state_consumed_disagreeing_with_workers_is_refused():
     """In order, `consumed` is the sum of the workers' `delivered`. A state saying worker 0
     delivered 7 batches while consumed is 3 is accepted and resumes worker 0 four batches
     later: samples skipped silently (docs: a damaged state is refused "rather than read ...
     [so] that would resume at another sample")."""
     make, good = _stream_state()
-    for mod in (lambda s: s["workers"][0].__setitem__("delivered", 7),
-                lambda s: s.__setitem__("consumed", 2)):
+    for mod in (
+        lambda s: s["workers"][0].__setitem__("delivered", 7),
+        lambda s: s.__setitem__("consumed", 2),
+    ):
         bad = copy.deepcopy(good)
         mod(bad)
         a = make()
@@ -1120,6 +1346,7 @@ def test_FINDING_stream_state_consumed_disagreeing_with_workers_is_refused():
             a.close()
 
 
+@pytest.mark.xfail(strict=True, reason="finding 9: stream next_worker out of turn accepted")
 def test_FINDING_stream_state_next_worker_disagreeing_with_round_robin_is_refused():
     """In order, the round robin is fixed by the counts ([2, 1] delivered: worker 1 is next).
     next_worker=0 is accepted, and the resumed stream comes in another order than the
@@ -1138,24 +1365,31 @@ def test_FINDING_stream_state_next_worker_disagreeing_with_round_robin_is_refuse
 @pytest.mark.parametrize("kw", [dict(), dict(persistent_workers=True)], ids=["w2", "w2p"])
 def test_refused_stream_worker_fields_change_nothing(kw):
     def make():
-        return DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork", **kw)
+        return DataLoader(
+            Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork", **kw
+        )
 
     a, ia, b, ib = _twins(make, 3)
     try:
         good = a.state_dict()
-        for mod in (lambda s: s.__setitem__("next_worker", 5),
-                    lambda s: s["workers"][1].__setitem__("id", 0),
-                    lambda s: s["workers"][0].__setitem__("state_at", 99),
-                    lambda s: s["workers"][0].pop("dataset_state"),
-                    lambda s: s["workers"].reverse(),
-                    lambda s: s["workers"].append(copy.deepcopy(s["workers"][0]))):
-            bad = copy.deepcopy(good); mod(bad)
+        for mod in (
+            lambda s: s.__setitem__("next_worker", 5),
+            lambda s: s["workers"][1].__setitem__("id", 0),
+            lambda s: s["workers"][0].__setitem__("state_at", 99),
+            lambda s: s["workers"][0].pop("dataset_state"),
+            lambda s: s["workers"].reverse(),
+            lambda s: s["workers"].append(copy.deepcopy(s["workers"][0])),
+        ):
+            bad = copy.deepcopy(good)
+            mod(bad)
             _refuse(a, bad)
         _same_rest(a, ia, b, ib)
     finally:
-        a.close(); b.close()
+        a.close()
+        b.close()
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 @pytest.mark.parametrize("kind", ["map", "stream", "mixture"])
 def test_testing_check_resume_public_helper(kind):
     from resumable_loader.testing import check_resume
@@ -1181,14 +1415,23 @@ def test_testing_check_resume_public_helper(kind):
         check_resume(make, make_resumed=lambda: make(0), steps=[1, 4])
 
 
-
-@pytest.mark.parametrize("bad_kind", ["version", "past_end", "batch_sampler_class", "mixture_source"])
+@pytest.mark.parametrize(
+    "bad_kind", ["version", "past_end", "batch_sampler_class", "mixture_source"]
+)
 def test_refused_state_keeps_persistent_workers_and_counters(bad_kind):
     """Persistent workers survive a refused load (the same pids, no respawn), and the open
     iterator and next epochs continue as the twin's; in_order=False too."""
+
     def make():
-        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True, num_workers=2,
-                          persistent_workers=True, multiprocessing_context="fork", in_order=False)
+        return DataLoader(
+            _mixture({"a": 20, "b": 20}),
+            batch_size=4,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context="fork",
+            in_order=False,
+        )
 
     a, ia, b, ib = _twins(make, 0)
     try:
@@ -1203,7 +1446,11 @@ def test_refused_state_keeps_persistent_workers_and_counters(bad_kind):
         elif bad_kind == "past_end":
             bad["consumed"] = 11
         elif bad_kind == "batch_sampler_class":
-            bad["config"]["batch_sampler"] = {"class": "torch.utils.data.sampler.BatchSampler", "batch_size": 4, "drop_last": False}
+            bad["config"]["batch_sampler"] = {
+                "class": "torch.utils.data.sampler.BatchSampler",
+                "batch_size": 4,
+                "drop_last": False,
+            }
         else:
             bad["data_plan"]["sources"][1]["name"] = "c"
         _refuse(a, bad)
@@ -1219,13 +1466,11 @@ def test_refused_state_keeps_persistent_workers_and_counters(bad_kind):
         assert all(torch.equal(x, y) for x, y in zip(ea, eb))
         assert a.statistics().worker_pids == pids
     finally:
-        a.close(); b.close()
-
+        a.close()
+        b.close()
 
 
 # -- the corpus of states saved before the move ----------------------------------------------
-
-import pathlib
 
 CORPUS = pathlib.Path(__file__).resolve().parents[1] / "data" / "states"
 CORPUS_CASES = sorted(p.stem for p in CORPUS.glob("*.json"))
@@ -1270,6 +1515,7 @@ def test_corpus_state_through_codecs_after_a_refusal(case, codec, tmp_path):
             loader.close()
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 @pytest.mark.parametrize("case", CORPUS_CASES)
 def test_corpus_state_inspect_and_skip_cli(case, tmp_path):
     src = CORPUS / f"{case}.state"
@@ -1288,7 +1534,6 @@ def test_corpus_state_inspect_and_skip_cli(case, tmp_path):
             skip_samples(state, 1)
 
 
-
 # -- warnings at the user's line ---------------------------------------------------------------
 
 
@@ -1296,6 +1541,7 @@ def _reseeding_init(worker_id):
     torch.manual_seed(5)
 
 
+@pytest.mark.xfail(strict=True, reason="finding 4: the warning points into the supervisor")
 @pytest.mark.parametrize("persistent", [False, True])
 def test_FINDING_worker_init_fn_manual_seed_warning_points_at_the_users_line(persistent):
     """guarantees.md: a worker_init_fn that calls torch.manual_seed() is overridden "and [we]
@@ -1303,13 +1549,20 @@ def test_FINDING_worker_init_fn_manual_seed_warning_points_at_the_users_line(per
     fast-forward, on_dataset_change='continue', a reshape) is attributed to the user's line;
     this one is attributed to resumable_loader/pipeline/supervisor/..., so `-W error::` filters
     by module and the line shown in logs point into the library."""
-    a = DataLoader(Noisy(8), batch_size=4, num_workers=2, multiprocessing_context="fork",
-                   worker_init_fn=_reseeding_init, persistent_workers=persistent)
+    a = DataLoader(
+        Noisy(8),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=_reseeding_init,
+        persistent_workers=persistent,
+    )
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            it = iter(a); first = sys._getframe().f_lineno
-            next(it); second = sys._getframe().f_lineno
+            it = iter(a)
+            first = sys._getframe().f_lineno
+            next(it)
             for _ in it:
                 pass
             last = sys._getframe().f_lineno
@@ -1323,16 +1576,22 @@ def test_FINDING_worker_init_fn_manual_seed_warning_points_at_the_users_line(per
 
 def test_stream_fast_forward_warning_points_at_the_users_line():
     src = DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
-    it = iter(src); next(it); next(it)
+    it = iter(src)
+    next(it)
+    next(it)
     state = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     b = DataLoader(Stream(60), batch_size=4, num_workers=2, multiprocessing_context="fork")
     try:
         b.load_state_dict(state)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            next(iter(b)); line = sys._getframe().f_lineno
-        assert w and all(x.filename == __file__ and x.lineno == line for x in w), [(x.filename, x.lineno) for x in w]
+            line = sys._getframe().f_lineno + 1
+            next(iter(b))
+        assert w and all(x.filename == __file__ and x.lineno == line for x in w), [
+            (x.filename, x.lineno) for x in w
+        ]
     finally:
         b.close()
 
@@ -1343,23 +1602,25 @@ def test_mixture_refused_load_and_set_weights_change_nothing():
     other = _mixture({"a": 20, "b": 20}).state_dict()
     with pytest.raises(CheckpointError):
         m.load_state_dict(other)
-    bad = copy.deepcopy(twin.state_dict()); bad["weights"] = [{"from": 0, "weights": {"a": -1.0, "b": 1.0}}]
+    bad = copy.deepcopy(twin.state_dict())
+    bad["weights"] = [{"from": 0, "weights": {"a": -1.0, "b": 1.0}}]
     with pytest.raises(CheckpointError):
         m.load_state_dict(bad)
     assert m.state_dict() == twin.state_dict()
     assert [m.source_of(i) for i in range(41)] == [twin.source_of(i) for i in range(41)]
-    l = DataLoader(m, batch_size=4, num_workers=2, multiprocessing_context="fork", shuffle=True)
+    ld = DataLoader(m, batch_size=4, num_workers=2, multiprocessing_context="fork", shuffle=True)
     lt = DataLoader(twin, batch_size=4, num_workers=2, multiprocessing_context="fork", shuffle=True)
     try:
-        torch.manual_seed(0); l.__init__ if False else None
-        it, itt = iter(l), iter(lt)
-        next(it); next(itt)
+        torch.manual_seed(0)
+        it, itt = iter(ld), iter(lt)
+        next(it)
+        next(itt)
         with pytest.raises(ValueError):
             m.set_weights({"a": 2.0, "b": 1.0}, from_position=30)
         assert m.history == twin.history and m.weights == twin.weights
     finally:
-        l.close(); lt.close()
-
+        ld.close()
+        lt.close()
 
 
 # -- pickles made before the move ---------------------------------------------------------------
@@ -1368,8 +1629,6 @@ def test_mixture_refused_load_and_set_weights_change_nothing():
 #           {"a": 2.0, "b": 1.0}, seed=3)
 #   DataLoader(torch.arange(10), batch_size=2, shuffle=True,
 #              generator=torch.Generator().manual_seed(1)).sampler
-
-import base64
 
 PRE_MOVE_MIXTURE = (
     "gASV1QQAAAAAAACMEHJlc3VtYWJsZV9sb2FkZXKUjAdNaXh0dXJllJOUKYGUfZQojAZfbmFtZXOUjAFhlIwBYpSGlIwI"
@@ -1493,6 +1752,7 @@ def test_pre_move_error_and_retry_pickles_load():
     assert type(e) is CheckpointError and e.args == ("boom",)
 
 
+@pytest.mark.xfail(strict=True, reason="finding 1")
 def test_FINDING_pre_move_mixture_pickle_loads():
     """A Mixture (public) pickled before the move -- a dataset object cached with pickle or
     torch.save -- does not unpickle after it: its pickle names the private
@@ -1501,11 +1761,15 @@ def test_FINDING_pre_move_mixture_pickle_loads():
     m = pickle.loads(base64.b64decode("".join(PRE_MOVE_MIXTURE)))
     from torch.utils.data import TensorDataset
 
-    ref = Mixture({"a": TensorDataset(torch.arange(6)), "b": TensorDataset(torch.arange(10, 14))},
-                  {"a": 2.0, "b": 1.0}, seed=3)
+    ref = Mixture(
+        {"a": TensorDataset(torch.arange(6)), "b": TensorDataset(torch.arange(10, 14))},
+        {"a": 2.0, "b": 1.0},
+        seed=3,
+    )
     assert [m.source_of(i) for i in range(10)] == [ref.source_of(i) for i in range(10)]
 
 
+@pytest.mark.xfail(strict=True, reason="finding 1")
 def test_FINDING_pre_move_sampler_pickle_loads():
     """The sampler a loader hands out for shuffle=True (loader.sampler), pickled before the
     move, names resumable_loader._samplers.RandomSampler. States keep that name on purpose
@@ -1529,6 +1793,7 @@ def _pickled_names(obj):
     return {n for n in names if n.startswith("resumable_loader")}
 
 
+@pytest.mark.xfail(strict=True, reason="finding 2")
 def test_FINDING_public_objects_pickle_only_public_names():
     """A pickle of a public object (a Mixture; the sampler and batch sampler a loader hands
     out) names internal layer modules (resumable_loader.plans.interleave.Segment,
@@ -1540,11 +1805,12 @@ def test_FINDING_public_objects_pickle_only_public_names():
     a = DataLoader(torch.arange(10), batch_size=2, shuffle=True)
     bad = {}
     for name, obj in (("mixture", m), ("sampler", a.sampler), ("batch_sampler", a.batch_sampler)):
-        internal = {n for n in _pickled_names(obj) if n.count(".") > 1 or ".plans" in n or ".state" in n}
+        internal = {
+            n for n in _pickled_names(obj) if n.count(".") > 1 or ".plans" in n or ".state" in n
+        }
         if internal:
             bad[name] = sorted(internal)
     assert not bad, bad
-
 
 
 # -- mixed-up global states ---------------------------------------------------------------------
@@ -1552,13 +1818,13 @@ def test_FINDING_public_objects_pickle_only_public_names():
 
 def _global(steps=(2, 3), epoch=None, n=40, bs=4):
     loaders = [_dist(r, 2, bs, n=n) for r in range(2)]
-    for l, k in zip(loaders, steps):
+    for ld, k in zip(loaders, steps):
         if epoch is not None:
-            l.sampler.set_epoch(epoch)
-        it = iter(l)
+            ld.sampler.set_epoch(epoch)
+        it = iter(ld)
         for _ in range(k):
             next(it)
-    return merge_rank_states([l.state_dict() for l in loaders])
+    return merge_rank_states([ld.state_dict() for ld in loaders])
 
 
 def _rank_states(g):
@@ -1574,17 +1840,20 @@ def _with_rank(g, r, state):
 def _load_on(g, world, bs):
     out = []
     for r in range(world):
-        l = _dist(r, world, bs)
+        ld = _dist(r, world, bs)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                l.load_state_dict(g)
+                ld.load_state_dict(g)
             out.append("ok")
         except CheckpointError:
             out.append("refused")
     return out
 
 
+@pytest.mark.xfail(
+    strict=True, reason="finding 11: ranks from different epochs accepted on the same world size"
+)
 def test_FINDING_global_state_with_ranks_from_different_epochs_refused_on_every_world_size():
     """A global state whose ranks are from different epochs (rank 1's from epoch 5) is refused
     on 1 and 3 ranks ("the ranks' states are from different epochs"), but on 2 ranks every rank
@@ -1598,6 +1867,7 @@ def test_FINDING_global_state_with_ranks_from_different_epochs_refused_on_every_
     assert _load_on(mixed, 2, 4) == ["refused"] * 2
 
 
+@pytest.mark.xfail(strict=True, reason="finding 12: a rank past the epoch accepted when reshaped")
 def test_FINDING_global_state_with_a_rank_past_the_epoch_refused_when_reshaped():
     """Rank 1's entry says 9 batches consumed of its 5-batch epoch (a position past the end).
     Loaded on 2 ranks, rank 1 refuses it; loaded on 1 or 3 ranks (a re-cut) every rank accepts
@@ -1611,6 +1881,7 @@ def test_FINDING_global_state_with_a_rank_past_the_epoch_refused_when_reshaped()
     assert _load_on(bad, 1, 4) == ["refused"]
 
 
+@pytest.mark.xfail(strict=True, reason="finding 12: a damaged rank seed accepted")
 def test_FINDING_global_state_with_a_damaged_rank_seed_is_refused():
     """Under a DistributedSampler a rank's epoch seed follows from the sampler's seed, its epoch
     and the rank (guarantees.md); a rank entry whose `seed` was changed is accepted on every
@@ -1623,6 +1894,7 @@ def test_FINDING_global_state_with_a_damaged_rank_seed_is_refused():
     assert _load_on(bad, 2, 4)[1] == "refused"
 
 
+@pytest.mark.xfail(strict=True, reason="finding 12: each rank checks only its own entry")
 def test_FINDING_a_global_state_is_refused_by_every_rank_or_by_none():
     """On the same world size each rank checks only its own entry of a global state: rank 0
     accepts a state whose rank-1 entry is damaged (version 99), a duplicate of rank 0's, or
@@ -1644,16 +1916,28 @@ def test_FINDING_a_global_state_is_refused_by_every_rank_or_by_none():
 def test_refused_global_states_change_nothing(world, bs):
     g = _global()
     bads = []
-    b = copy.deepcopy(g); b["ranks"].reverse(); bads.append(b)
-    b = copy.deepcopy(g); b["world_size"] = 3; bads.append(b)
-    b = copy.deepcopy(g); b["version"] = 2; bads.append(b)
-    b = copy.deepcopy(g); b["ranks"][1] = b["ranks"][1][:-8] + "AAAAAAA="; bads.append(b)
-    b = copy.deepcopy(g); b["ranks"] = "x"; bads.append(b)
+    b = copy.deepcopy(g)
+    b["ranks"].reverse()
+    bads.append(b)
+    b = copy.deepcopy(g)
+    b["world_size"] = 3
+    bads.append(b)
+    b = copy.deepcopy(g)
+    b["version"] = 2
+    bads.append(b)
+    b = copy.deepcopy(g)
+    b["ranks"][1] = b["ranks"][1][:-8] + "AAAAAAA="
+    bads.append(b)
+    b = copy.deepcopy(g)
+    b["ranks"] = "x"
+    bads.append(b)
     for r in range(world):
-        def make():
-            l = _dist(r, world, bs)
-            l.sampler.set_epoch(3)
-            return l
+
+        def make(r=r):
+            ld = _dist(r, world, bs)
+            ld.sampler.set_epoch(3)
+            return ld
+
         a, ia, tb, ib = _twins(make, 1)
         for bad in bads:
             _refuse(a, bad)
@@ -1661,21 +1945,29 @@ def test_refused_global_states_change_nothing(world, bs):
         _same_rest(a, ia, tb, ib, epochs=0)
 
 
-
 # -- smaller promises of docs/api.md ------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 def test_import_loads_no_framework():
-    r = subprocess.run([sys.executable, "-c",
-                        "import sys, resumable_loader, resumable_loader.testing; "
-                        "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'accelerate', 'transformers', 'datasets') if m in sys.modules))"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, resumable_loader, resumable_loader.testing; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'accelerate', "
+            "'transformers', 'datasets') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
 
 
 def test_load_state_dict_takes_state_dict_by_keyword():
     make = _make_map({}, False)
-    a, ia, b, ib = _twins(make, 2)
+    _a, _ia, b, _ib = _twins(make, 2)
     s = b.state_dict()
     c = make()
     c.load_state_dict(state_dict=s)
@@ -1686,7 +1978,8 @@ def test_skip_samples_contract():
     make = _make_map({}, False)
     torch.manual_seed(3)
     a = make()
-    it = iter(a); next(it)
+    it = iter(a)
+    next(it)
     s = a.state_dict()
     frozen = copy.deepcopy(s)
     t = skip_samples(s, 3)
@@ -1708,11 +2001,18 @@ def test_skip_samples_contract():
 
 def test_damaged_bytes_are_refused():
     data = dump_state(DataLoader(Noisy(8), batch_size=4).state_dict())
-    for bad in (data[:-1], data[:10], b"", data[:-3] + bytes([data[-3] ^ 1]) + data[-2:], b"RLSTATE\0" + b"\xff" * 40):
+    for bad in (
+        data[:-1],
+        data[:10],
+        b"",
+        data[:-3] + bytes([data[-3] ^ 1]) + data[-2:],
+        b"RLSTATE\0" + b"\xff" * 40,
+    ):
         with pytest.raises(CheckpointError):
             load_state(bad)
 
 
+@pytest.mark.slow  # a subprocess or CLI run each: kept out of the default run
 def test_cli_without_arguments_is_usage_not_traceback():
     r = _cli()
     assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -1720,17 +2020,24 @@ def test_cli_without_arguments_is_usage_not_traceback():
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
 
 
-
+@pytest.mark.xfail(
+    strict=True, reason="finding 10: a data_plan disagreeing with the state accepted"
+)
 @pytest.mark.parametrize("field,value", [("epoch", 10**20), ("num_samples", 10**20)])
 def test_FINDING_data_plan_disagreeing_with_the_state_is_refused(field, value):
     """A state's data_plan whose epoch (10**20, the state's is 0) or num_samples (10**20, the
     config's dataset_len is 40) disagrees with the rest of the state is accepted; the epoch is
     even installed: the loader's Mixture reports epoch 10**20 (and mix[i] indexes into it)
     until the next iter()."""
-    make = lambda: DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True)
+
+    def make():
+        return DataLoader(_mixture({"a": 20, "b": 20}), batch_size=4, shuffle=True)
+
     torch.manual_seed(1)
     src = make()
-    it = iter(src); next(it); next(it)
+    it = iter(src)
+    next(it)
+    next(it)
     bad = src.state_dict()
     bad["data_plan"][field] = value
     a = make()
@@ -1742,7 +2049,6 @@ def test_FINDING_data_plan_disagreeing_with_the_state_is_refused(field, value):
         assert a.dataset.epoch in (0, before["epoch"]), a.dataset.epoch
 
 
-
 @pytest.mark.parametrize("kw", WORKER_CONFIGS, ids=["w0", "w2", "w2p"])
 def test_invariants_hold_after_refusals(kw):
     make = _make_map(kw, False)
@@ -1752,10 +2058,12 @@ def test_invariants_hold_after_refusals(kw):
     for _ in range(5):
         next(it)
     good = src.state_dict()
-    del it; src.close()
+    del it
+    src.close()
     a = make()
     try:
-        ia = iter(a); next(ia)
+        ia = iter(a)
+        next(ia)
         for bad in _bad_states(good).values():
             _refuse(a, bad)
             a.check_invariants()
