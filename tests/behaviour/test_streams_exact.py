@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resumable_loader import CheckpointError, DataLoader, Stream, dump_state, load_state
+from resumable_loader.testing import kill_at
 
 JOB = str(Path(__file__).parents[1] / "_stream_job.py")
 SHARDS = 16
@@ -141,6 +143,38 @@ def test_two_workers_resume_exactly(persistent: bool) -> None:
         )
         rest, _ = _run(2, 3, persistent=persistent, state=state)
         assert head + rest == ref, k
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ranks_read_disjoint_partitions_and_each_resumes_exactly(
+    monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Two ranks (the world size and rank a Stream reads from torch.distributed, stubbed here:
+    one process plays each rank in turn; forked workers inherit the stub): together every
+    sample once, and each rank's own state resumes that rank exactly."""
+    import resumable_loader.plans.stream as stream_module
+
+    seen: list[float] = []
+    for rank in range(2):
+        monkeypatch.setattr(stream_module, "_world", lambda rank=rank: (2, rank))
+        ref, _ = _run(workers, 2)
+        rank0 = [x for e, b in ref if e == 0 for x in b]
+        seen += rank0
+        head, state = _run(workers, 2, stop=5)
+        rest, _ = _run(workers, 2, state=state)
+        assert head + rest == ref
+    assert sorted(seen) == [x + 0.5 for x in F.all_samples(list(range(SHARDS)))]
+
+
+def test_a_killed_worker_is_replaced_and_the_epoch_is_unchanged() -> None:
+    """A respawned worker restores its partitions from the cursors of the last result the
+    main process received: the batches are the uninterrupted run's."""
+    ref = [b for e, b in _ref(2, 3) if e == 0]
+    loader = _loader(_make(), 2, 3)
+    got = [
+        b.tolist() for b in kill_at(loader, {2: [(0, signal.SIGKILL)], 6: [(1, signal.SIGKILL)]})
+    ]
+    assert got == ref
 
 
 @pytest.mark.slow
