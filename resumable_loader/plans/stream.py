@@ -238,11 +238,14 @@ class Stream(IterableDataset):
         self._epoch = meta.epoch
         layout = state[S.META_KEY].get("layout")
         self._layout = dict(layout) if isinstance(layout, dict) else {}
-        if self._reader is not None and not self._reader.closed:
-            # Loaded into a live iterator (torchdata's order: iter() first): it continues here.
-            self._reader.restore(self._cursors_for(self._reader.parts, cursors, meta.epoch))
+        reader = self._reader
+        if reader is not None and not reader.started and not reader.closed:
+            # Loaded into an iterator that has not yielded yet (torchdata's order: iter()
+            # first, then load_state_dict): that iterator continues from the state.
+            reader.restore(self._cursors_for(reader.parts, cursors, meta.epoch))
             self._loaded = None
         else:
+            # The next iter() continues from it (an iterator already under way is left alone).
             self._loaded = cursors
 
     def _cursors_for(
@@ -322,6 +325,7 @@ class _Reader:
         self.parts = parts
         self.epoch = epoch
         self.closed = False
+        self.started = False  # yielded a row: a later load_state_dict is for the next iter()
         st = stream
         self.shards = {
             p: S.deal_one(st._seed, epoch, len(st._shards), st._partitions, st._shuffle, p)
@@ -362,6 +366,7 @@ class _Reader:
                 continue
             c[S.ROWS] = k + 1
             heapq.heapreplace(heap, (e, k + 1, p))
+            self.started = True
             return item
         self.close()
         raise StopIteration

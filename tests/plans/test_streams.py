@@ -273,6 +273,19 @@ def test_an_iterator_loaded_after_iter_continues_from_the_state() -> None:
     assert list(it2) == ref[8:]
 
 
+def test_a_state_loaded_after_an_abandoned_iteration_is_where_the_next_iter_starts() -> None:
+    ref = list(_stream())
+    s = _stream()
+    it = iter(s)
+    for _ in range(8):
+        next(it)
+    state = s.state_dict()
+    for _ in range(5):
+        next(it)  # the run goes on, then is rewound to the state
+    s.load_state_dict(state)
+    assert list(s) == ref[8:]
+
+
 def test_partitions_none_adopts_the_state_and_the_seed_of_the_state_wins() -> None:
     s = Stream.from_shards(list(range(12)), F.read, partitions=6, seed=3)
     it = iter(s)
