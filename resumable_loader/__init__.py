@@ -74,6 +74,7 @@ from .loader.dataloader import DataLoader  # noqa: E402
 from .pipeline.fetch import RetryPolicy  # noqa: E402
 from .pipeline.stats import LoaderStatistics  # noqa: E402
 from .plans.mixture import Mixture  # noqa: E402
+from .plans.stream import Stream  # noqa: E402
 from .state.checkpoint import save_checkpoint  # noqa: E402
 from .state.codec import dump_state, load_state  # noqa: E402
 from .state.ranks import merge_rank_states  # noqa: E402
@@ -88,6 +89,7 @@ __all__ = [
     "LoaderStatistics",
     "Mixture",
     "RetryPolicy",
+    "Stream",
     "WorkerCrashError",
     "__version__",
     "dump_state",

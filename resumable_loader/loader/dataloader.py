@@ -42,6 +42,7 @@ from ..plans.index_plan import BUILTIN, DISTRIBUTED, ITERABLE, IndexPlan
 from ..plans.mixture import Mixture, apply_plan_load, follow_epoch, hold_epoch
 from ..plans.samplers import BatchSampler as OurBatchSampler
 from ..plans.samplers import RandomSampler as OurRandomSampler
+from ..plans.stream import Stream
 from ..state import fingerprint as F
 from ..state import ranks as D
 from ..state import schema as S
@@ -167,6 +168,10 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self.on_poison = on_poison
         self.retry = retry
         self.stream_state_every = stream_state_every
+        if stream_state_every is None and isinstance(dataset, Stream):
+            # A Stream's state is a few ints per partition: it rides with every batch, so a
+            # resume or a respawned worker never replays a fetch.
+            self.stream_state_every = 1
         self.seed_per_sample = seed_per_sample
         chain = self._own_samplers(sampler, batch_sampler)
         self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)

@@ -407,11 +407,12 @@ class _WorkerLoop:
                 self.grants.clear()
                 self.gen, self.epoch, self.base = msg.gen, msg.epoch, msg.base_seed
                 self._seeds = self._seeds_for(self.base)
+                # A worker's copy of a data plan (a Mixture, a Stream's pass) is as old as the
+                # worker: the epoch and the plan it serves are the main process's, as its
+                # state saves them.
+                follow_epoch(self.spec_dataset, msg.epoch, msg.plan)
                 if isinstance(self.fetcher, MapFetcher):
                     self.fetcher.sample_seed = msg.sample_seed
-                    # A worker's copy of a data plan is as old as the worker: the epoch and
-                    # the plan it serves are the main process's, as its state saves them.
-                    follow_epoch(self.spec_dataset, msg.epoch, msg.plan)
                 elif not self._start_stream(msg.resume):
                     return False
             else:  # Stop

@@ -54,6 +54,7 @@ from .mixture_state import (
     same_ratios,
 )
 from .mixture_state import plan_load as _plan
+from .stream import Stream
 
 __all__ = ["Mixture"]
 
@@ -67,10 +68,12 @@ def follow_epoch(dataset: Any, epoch: int, plan: Any = None) -> None:
     the plan the main process holds for it. The loader calls it at ``iter()``, and each worker
     at the epoch's start with the plan its ``Epoch`` message carries: a worker's copy of the
     mixture is as old as the worker, the main process's plan is the one its state saves. Any
-    other dataset is left alone."""
+    other dataset is left alone. A ``Stream`` is told the epoch (its pass) the same way."""
     if isinstance(dataset, Mixture):
         if plan is not None:
             dataset._adopt(plan)
+        dataset.set_epoch(epoch)
+    elif isinstance(dataset, Stream):
         dataset.set_epoch(epoch)
 
 

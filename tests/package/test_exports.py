@@ -17,6 +17,7 @@ PUBLIC = [
     "LoaderStatistics",
     "Mixture",
     "RetryPolicy",
+    "Stream",
     "WorkerCrashError",
     "__version__",
     "dump_state",

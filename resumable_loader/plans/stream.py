@@ -1,0 +1,415 @@
+"""``Stream``: an iterable dataset read from shards, whose position is one cursor per partition.
+
+The shards are dealt to ``P`` partitions (``plans/streams.py`` owns that arithmetic). Each
+partition is a deterministic sequence of rows: its shards in a seeded order per pass, each read
+with ``read(shard, start)``, then the ``map``/``filter`` stages. A reader -- one rank x worker,
+or the main process -- owns whole partitions and draws their rows in the canonical order: the
+next row comes from the live partition with the smallest ``(pass, rows drawn, partition)``. So
+a reader's output depends only on its partitions' cursors, never on how it got there, and a
+resume needs the cursors alone: no sample is kept in the state and nothing is replayed.
+
+This module is runtime code (it runs in the workers, as ``Mixture.__getitem__`` does): the
+``Stream`` class, its stages, the partition source and the reader.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import itertools
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..core.errors import CheckpointError
+from . import streams as S
+
+__all__ = ["Stream"]
+
+_MAP = "map"
+_FILTER = "filter"
+_END = object()  # a partition's pass has no further row
+
+
+def _takes_start(read: Callable[..., Any]) -> bool:
+    """Whether ``read`` accepts a second positional argument (the start sample): a reader
+    that does not can only be skipped into by reading."""
+    try:
+        sig = inspect.signature(read)
+    except (TypeError, ValueError):
+        return True  # a builtin or C callable we cannot inspect: trust it with two arguments
+    positional = 0
+    for param in sig.parameters.values():
+        if param.kind == param.VAR_POSITIONAL:
+            return True
+        if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            positional += 1
+    return positional >= 2
+
+
+def _stage_name(kind: str, fn: Callable[..., Any]) -> str:
+    return f"{kind}:{getattr(fn, '__qualname__', None) or type(fn).__name__}"
+
+
+def _world() -> tuple[int, int]:
+    """(world size, rank) as torch's DistributedSampler takes them."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class Stream(IterableDataset):
+    """An iterable dataset over shards, with an exact resume from a state of O(partitions) ints.
+
+    Build it with :meth:`Stream.from_shards`, then chain :meth:`map` and :meth:`filter`. The
+    shards are dealt to ``partitions`` partitions (fixed at the first run and kept in the state);
+    each reader (rank x worker; ranks from ``torch.distributed`` when it is initialized) reads
+    whole partitions, and interleaves their rows in a canonical order that does not depend on
+    the layout. ``state_dict()`` is one short list of ints per partition; ``load_state_dict``
+    continues every partition at its cursor, seeking with ``read(shard, start)``.
+
+    Under ``resumable_loader.DataLoader`` the state rides with every batch and the loader's
+    ``state_dict()`` resumes exactly on the same layout (ranks, ``num_workers``, batch size).
+    Under torch's own ``DataLoader`` it is a correct ``IterableDataset`` (each worker reads its
+    own partitions); call ``set_epoch(e)`` before each epoch there, as with ``Mixture``.
+    See docs/streams.md for what is promised at this stage and what is refused.
+    """
+
+    _shards: list[Any]
+    _read: Callable[..., Any]
+    _seekable: bool
+    _seed: int
+    _shuffle: bool
+    _explicit: int | None
+    _partitions: int
+    _digest: str
+    _stages: tuple[tuple[str, Callable[..., Any]], ...]
+
+    def __init__(self) -> None:
+        raise TypeError("build a Stream with Stream.from_shards(shards, read, ...)")
+
+    # ---- construction ----
+
+    @classmethod
+    def from_shards(
+        cls,
+        shards: Sequence[Any],
+        read: Callable[..., Any],
+        *,
+        seed: int = 0,
+        shuffle_shards: bool = True,
+        partitions: int | None = None,
+    ) -> Stream:
+        """A Stream over ``shards``, each read by ``read(shard, start)``.
+
+        Args:
+            shards: the shard keys (paths, URLs, anything picklable), in a fixed order.
+            read: ``read(shard, start)`` yields the shard's samples from sample ``start`` on
+                (a resume seeks). A reader taking only ``read(shard)`` is allowed: a resume
+                then reads and discards ``start`` samples (counted in ``read_stats()``, and
+                warned about once).
+            seed: the Stream's own seed: the shard order of each pass comes from it alone,
+                never from the loader's seed.
+            shuffle_shards: put the shards in a seeded order per pass (else the given order).
+            partitions: how many partitions the shards are dealt to; None: the largest
+                ``2**a`` or ``3 * 2**a`` with at least 8 shards each. Fixed by a state.
+
+        Raises:
+            ValueError: no shards, or ``partitions`` out of ``1..len(shards)``.
+            TypeError: ``read`` is not callable, or ``seed`` is not an int.
+        """
+        shards = list(shards)
+        if not shards:
+            raise ValueError("Stream.from_shards needs at least one shard")
+        if not callable(read):
+            raise TypeError(f"read must be callable, got {read!r}")
+        if type(seed) is not int:
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self = cls.__new__(cls)
+        self._shards = shards
+        self._read = read
+        self._seekable = _takes_start(read)
+        self._seed = seed
+        self._shuffle = bool(shuffle_shards)
+        self._explicit = partitions
+        self._partitions = S.check_partitions(partitions, len(shards))
+        self._digest = S.shard_digest(shards)
+        self._stages = ()
+        self._reset_runtime()
+        return self
+
+    def _reset_runtime(self) -> None:
+        self._epoch = 0
+        self._loaded: dict[int, list[int]] | None = None
+        self._layout: dict[str, int] = {}
+        self._reader: _Reader | None = None
+        self._stats = {"opens": 0, "seeks": 0, "skipped": 0}
+        self._warned = False
+
+    def _with(self, kind: str, fn: Callable[..., Any]) -> Stream:
+        if not callable(fn):
+            raise TypeError(f"{kind}() needs a callable, got {fn!r}")
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._stages = (*self._stages, (kind, fn))
+        new._reset_runtime()
+        return new
+
+    def map(self, fn: Callable[[Any], Any]) -> Stream:
+        """A new Stream whose samples are ``fn(sample)`` (deterministic per sample)."""
+        return self._with(_MAP, fn)
+
+    def filter(self, fn: Callable[[Any], bool]) -> Stream:
+        """A new Stream keeping the samples for which ``fn(sample)`` is true. Its position
+        counts input samples, so a resume never reads a dropped sample again."""
+        return self._with(_FILTER, fn)
+
+    # ---- what it is ----
+
+    @property
+    def partitions(self) -> int:
+        """The number of partitions (fixed at the first run; a loaded state sets it)."""
+        return self._partitions
+
+    def pipeline(self) -> list[str]:
+        """The stages, by name: ``["read", "map:tokenize", "filter:<lambda>"]``."""
+        return ["read"] + [_stage_name(kind, fn) for kind, fn in self._stages]
+
+    def fingerprint(self) -> str:
+        """The shard list's digest: a loader state records it and refuses another list."""
+        return f"stream:{self._digest}"
+
+    def read_stats(self) -> dict[str, int]:
+        """This process's reads so far: shards opened, opens that seeked (``start > 0``), and
+        samples read only to be skipped (a reader without ``start``)."""
+        return dict(self._stats)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The pass the next ``iter()`` reads (a new shard order each pass). Our DataLoader
+        sets it at each epoch; under torch's loader call it before each epoch."""
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._epoch = epoch
+
+    # ---- the state ----
+
+    def _meta(self) -> S.StreamMeta:
+        return S.StreamMeta(
+            self._seed,
+            self._partitions,
+            self._shuffle,
+            self._epoch,
+            len(self._shards),
+            self._digest,
+            tuple(self.pipeline()),
+        )
+
+    def state_dict(self) -> dict[Any, Any]:
+        """The position: ``{"stream": plan, p: cursor, ...}`` for the partitions this reader
+        holds (all of them with ``num_workers=0`` on one rank). Plain ints, no samples."""
+        out: dict[Any, Any] = {S.META_KEY: self._meta().to_state(self._layout)}
+        cursors = self._reader.cursors if self._reader is not None else self._loaded or {}
+        for p in sorted(cursors):
+            out[p] = list(cursors[p])
+        return out
+
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        """Continue from ``state`` at the next ``iter()`` (or at once, when iterating).
+
+        The state's seed, shard order and partitions win over the ones given to
+        ``from_shards`` (an explicit different ``partitions=`` is refused).
+
+        Raises:
+            CheckpointError: the state is malformed or taken on another shard list.
+        """
+        meta, cursors = S.parse_state(
+            state,
+            shard_count=len(self._shards),
+            digest=self._digest,
+            partitions=self._explicit,
+        )
+        self._seed = meta.seed
+        self._shuffle = meta.shuffle_shards
+        self._partitions = meta.partitions
+        self._epoch = meta.epoch
+        layout = state[S.META_KEY].get("layout")
+        self._layout = dict(layout) if isinstance(layout, dict) else {}
+        reader = self._reader
+        if reader is not None and not reader.started and not reader.closed:
+            # Loaded into an iterator that has not yielded yet (torchdata's order: iter()
+            # first, then load_state_dict): that iterator continues from the state.
+            reader.restore(self._cursors_for(reader.parts, cursors, meta.epoch))
+            self._loaded = None
+        else:
+            # The next iter() continues from it (an iterator already under way is left alone).
+            self._loaded = cursors
+
+    def _cursors_for(
+        self, parts: list[int], loaded: dict[int, list[int]] | None, epoch: int
+    ) -> dict[int, list[int]]:
+        """The starting cursor of each partition a reader owns: its loaded cursor if that is
+        in this pass, else the pass's start."""
+        out = {}
+        for p in parts:
+            c = loaded.get(p) if loaded is not None else None
+            if loaded is not None and c is None:
+                raise CheckpointError(
+                    f"Stream state: partition {p} is owned by this reader but not in the "
+                    f"state it loaded (which holds partitions {sorted(loaded)}); load the state "
+                    "this reader saved, on the same layout"
+                )
+            out[p] = list(c) if c is not None and c[S.PASS] == epoch else S.fresh_cursor(epoch)
+        return out
+
+    # ---- reading ----
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        k, wid = (info.num_workers, info.id) if info is not None else (1, 0)
+        world, rank = _world()
+        S.check_layout(self._partitions, world, k)
+        parts = S.owned(self._partitions, world, rank, k, wid)
+        loaded, self._loaded = self._loaded, None
+        cursors = self._cursors_for(parts, loaded, self._epoch)
+        self._layout = {"world_size": world, "rank": rank, "num_workers": k, "worker": wid}
+        if self._reader is not None:
+            self._reader.close()
+        self._reader = _Reader(self, parts, cursors, self._epoch)
+        return self._reader
+
+    def _open(self, shard: Any, start: int) -> Iterator[Any]:
+        self._stats["opens"] += 1
+        if self._seekable:
+            if start:
+                self._stats["seeks"] += 1
+            return iter(self._read(shard, start))
+        if start:
+            self._stats["skipped"] += start
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"Stream: read() takes no start sample, so resuming shard {shard!r} at "
+                    f"sample {start} reads and discards {start} samples (each resumed shard "
+                    "costs its offset; give read a second parameter, start, to seek)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        return itertools.islice(iter(self._read(shard)), start, None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A live reader holds open shard iterators (generators, files): a copy sent to a
+        # worker starts without it, from its own iter().
+        state = dict(self.__dict__)
+        state["_reader"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"Stream({len(self._shards)} shards, {self._partitions} partitions, seed "
+            f"{self._seed}, {' -> '.join(self.pipeline())})"
+        )
+
+
+class _Reader:
+    """One reader's partitions, drawn in canonical order; an iterator (not a generator), so a
+    read error leaves it usable: the failing shard is reopened at its cursor on the next pull."""
+
+    def __init__(
+        self, stream: Stream, parts: list[int], cursors: dict[int, list[int]], epoch: int
+    ) -> None:
+        self.stream = stream
+        self.parts = parts
+        self.epoch = epoch
+        self.closed = False
+        self.started = False  # yielded a row: a later load_state_dict is for the next iter()
+        st = stream
+        self.shards = {
+            p: S.deal_one(st._seed, epoch, len(st._shards), st._partitions, st._shuffle, p)
+            for p in parts
+        }
+        self.cursors: dict[int, list[int]] = {}
+        self.heap: list[tuple[int, int, int]] = []
+        self.its: dict[int, Iterator[Any]] = {}
+        self.restore(cursors)
+
+    def restore(self, cursors: dict[int, list[int]]) -> None:
+        self.its.clear()
+        self.cursors = cursors
+        self.heap = [
+            (c[S.PASS], c[S.ROWS], p)
+            for p, c in cursors.items()
+            if not c[S.DONE] and c[S.PASS] == self.epoch
+        ]
+        heapq.heapify(self.heap)
+
+    def close(self) -> None:
+        self.closed = True
+        self.its.clear()
+
+    def __iter__(self) -> _Reader:
+        return self
+
+    def __next__(self) -> Any:
+        heap = self.heap
+        while heap:
+            e, k, p = heap[0]
+            item = self._pull(p)
+            c = self.cursors[p]
+            if item is _END:
+                c[S.DONE] = 1
+                self.its.pop(p, None)
+                heapq.heappop(heap)
+                continue
+            c[S.ROWS] = k + 1
+            heapq.heapreplace(heap, (e, k + 1, p))
+            self.started = True
+            return item
+        self.close()
+        raise StopIteration
+
+    def _pull(self, p: int) -> Any:
+        """Partition ``p``'s next row; its cursor moves past every input sample it consumed."""
+        c = self.cursors[p]
+        shards = self.shards[p]
+        stages = self.stream._stages
+        while True:
+            it = self.its.get(p)
+            if it is None:
+                if c[S.SHARD_I] >= len(shards):
+                    return _END
+                shard = self.stream._shards[shards[c[S.SHARD_I]]]
+                it = self.its[p] = self.stream._open(shard, c[S.OFFSET])
+            try:
+                sample = next(it)
+            except StopIteration:
+                self.its.pop(p, None)
+                c[S.SHARD_I] += 1
+                c[S.OFFSET] = 0
+                continue
+            except BaseException:
+                # The cursor has not moved: the next pull reopens the shard at it.
+                self.its.pop(p, None)
+                raise
+            c[S.OFFSET] += 1
+            c[S.SRC] += 1
+            try:
+                kept = True
+                for kind, fn in stages:
+                    if kind == _MAP:
+                        sample = fn(sample)
+                    elif not fn(sample):
+                        kept = False
+                        break
+            except BaseException:
+                # This sample was not consumed: step back, so a retry reads it again.
+                c[S.OFFSET] -= 1
+                c[S.SRC] -= 1
+                self.its.pop(p, None)
+                raise
+            if kept:
+                return sample
+            c[S.FILTERED] += 1
