@@ -13,8 +13,9 @@ unchanged: ``start_quorum`` absorbs a second call in the same step (the one
 ``OptimizerWrapper.zero_grad()`` makes after the loop took its batch), and ``should_commit``
 records the step's outcome. docs/torchft.md says why this and not the alternatives.
 
-torchft itself is never imported: the manager is duck-typed, so this module imports without
-torchft installed and the state machine is tested against a fake manager.
+torchft itself is never imported: the manager is duck-typed (its version is read from the
+installed package's metadata), so this module imports without torchft installed and the
+state machine is tested against a fake manager.
 """
 
 from __future__ import annotations
@@ -477,10 +478,37 @@ def _check_manager(manager: Any) -> None:
             "lost; the loader waits for the quorum before dealing anyway, so async gains "
             "nothing here"
         )
+    _check_torchft_version(manager)
     if "start_quorum" in getattr(manager, "__dict__", {}):
         raise ValueError(
             "this manager's start_quorum is already wrapped (a ReplicaGroupLoader already "
             "uses it): one ReplicaGroupLoader per manager"
+        )
+
+
+# The torchft versions whose Manager internals (the quorum in start_quorum, the private
+# attributes read here) this module was checked against.
+_TESTED = ((0, 2), (0, 3))
+
+
+def _check_torchft_version(manager: Any) -> None:
+    """Warn when a real torchft Manager comes from a version outside the tested range (read
+    from the installed distribution's metadata: torchft itself is not imported)."""
+    if not type(manager).__module__.startswith("torchft"):
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torchft")
+    except PackageNotFoundError:
+        return
+    nums = tuple(int(x) for x in re.findall(r"\d+", found)[:2])
+    if not _TESTED[0] <= nums < _TESTED[1]:
+        warnings.warn(
+            f"ReplicaGroupLoader was checked against torchft >=0.2,<0.3, not {found}: it wraps "
+            "Manager.start_quorum and should_commit and reads a few private attributes",
+            RuntimeWarning,
+            stacklevel=3,
         )
 
 

@@ -539,3 +539,53 @@ def test_quorum_opened_before_next_is_joined_and_a_peer_reads_the_settled_step()
     opt0.step()
     opt1.step()
     assert got == _plain_order(4, 12, 2)[:8]
+
+
+def test_workers_and_pinned_batches_through_a_kill_and_a_heal() -> None:
+    # The deal is a loader state, so the loader's own pipeline runs it: worker processes,
+    # pin_memory, per-sample seeds.
+    world = World()
+    make = {
+        "batch_size": 3,
+        "shuffle": True,
+        "num_workers": 2,
+        "persistent_workers": True,
+        "pin_memory": torch.cuda.is_available(),
+        "seed_per_sample": True,
+    }
+
+    def loader() -> DataLoader[Any]:
+        made = DataLoader(_Indexed(30), generator=torch.Generator().manual_seed(11), **make)
+        built.append(made)
+        return made
+
+    built: list[DataLoader[Any]] = []
+    groups = {}
+    for rid in ("g0", "g1"):
+        m = FakeManager(world, rid)
+        groups[rid] = (m, ReplicaGroupLoader(loader(), m))
+    committed: list[tuple[int, float]] = []
+    step = 0
+    while any(rl.state_dict()["sample_cut"]["start"] < 30 for _, rl in groups.values()):
+        world.begin_round(sorted(groups))
+        dealt = {}
+        for rid, (_, rl) in sorted(groups.items()):
+            ids, vals = next(rl)
+            dealt[rid] = list(zip(ids.tolist(), vals.tolist()))
+        if step == 1:  # g1 dies after backward; its share is in the committed step
+            world.leave("g1")
+            del groups["g1"]
+        if step == 3:  # g1 comes back and heals from g0
+            m = FakeManager(world, "g1")
+            groups["g1"] = (m, ReplicaGroupLoader(loader(), m))
+        oks = [FakeOptimizer(m).step() for rid, (m, _) in sorted(groups.items()) if rid in dealt]
+        if all(oks):
+            committed += [x for rid in sorted(dealt) for x in dealt[rid]]
+        step += 1
+    assert groups["g1"][0].heals and groups["g1"][0].heals[0][0] > 0
+    ref = loader()
+    want = [x for ids, vals in ref for x in zip(ids.tolist(), vals.tolist())]
+    assert [i for i, _ in committed] == [i for i, _ in want]
+    torch.testing.assert_close([v for _, v in committed], [v for _, v in want])
+    for made in built:
+        made.close()
