@@ -335,3 +335,15 @@ def test_no_allowed_private_read_is_one_of_ours() -> None:
 @pytest.mark.parametrize("layer", sorted(RANK, key=RANK.get))
 def test_a_layer_has_its_own_folder(layer: str) -> None:
     assert (PKG / layer / "__init__.py").is_file()
+
+
+def test_test_files_mirror_the_folders_with_unique_names() -> None:
+    """The tests mirror the package's folders; pytest imports each test file by its basename
+    (rootdir-relative "prepend" mode, no __init__.py), so two files of one name in different
+    folders would stop the collection of the whole run."""
+    tests = PKG.parent / "tests"
+    names: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    assert {n: p for n, p in names.items() if len(p) > 1} == {}
+    assert not list(tests.glob("test_*.py")), "test files live in a folder named for the layer"
