@@ -100,6 +100,7 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
             # skip_samples) is cut here even on the same shape, and the re-cut warns
             # where that cut pads or drops samples.
             return _checked(_recut(states, shape, notes), None, shape, policy, notes, True)
+        _check_every_rank(states, shape)
         state = states[rank]
     rp = S.ResumePoint.from_state(
         state, shape.config, shape.kind == STATEFUL, dataset=shape.data, dataset_change_ok=True
@@ -313,30 +314,17 @@ def _rebatch(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
 def _recut(states: list[dict[str, Any]], shape: LoaderShape, notes: list[str]) -> S.ResumePoint:
     """The position of this rank from every rank's state of a job on another world size."""
     config = shape.config
-    data = shape.data
     world = len(states)
-    stateful = shape.kind == STATEFUL
     if shape.kind != DISTRIBUTED:
         if world == config["world_size"]:
-            return S.ResumePoint.from_state(
-                states[config["rank"]], config, stateful, dataset=data, dataset_change_ok=True
-            )
+            return _rank_points(states, shape)[config["rank"]]
         raise CheckpointError(
             f"cannot load DataLoader state: world_size: the checkpoint is from {world} "
             f"ranks, this loader has {config['world_size']}. Only torch's "
             "DistributedSampler's position can be re-cut for another number of ranks; "
             "with any other sampler, resume on the same number of ranks."
         )
-    points = [
-        S.ResumePoint.from_state(
-            sd,
-            dict(config, world_size=world, rank=r),
-            False,
-            dataset=data,
-            dataset_change_ok=True,
-        )
-        for r, sd in enumerate(states)
-    ]
+    points = _rank_points(states, shape)
     for p in points:
         _refuse_batch_sampler(p, shape)
     batch = shape.batch_size if shape.auto_collation else None
@@ -358,6 +346,61 @@ def _recut(states: list[dict[str, Any]], shape: LoaderShape, notes: list[str]) -
         # Every rank read the same data: its changes, once each.
         dataset_changes=list(dict.fromkeys(c for p in points for c in p.dataset_changes)),
     )
+
+
+# ---- every rank's entry of a global state ---------------------------------------------------
+# Every rank loads the same global state and must come to the same answer: were each to check
+# only its own entry, a damaged entry would be refused by its rank alone, and under DDP the
+# others would go on into their first collective and wait for it forever. So each rank checks
+# every entry (a parse of each rank's small state: O(ranks), no communication).
+def _rank_points(states: list[dict[str, Any]], shape: LoaderShape) -> list[S.ResumePoint]:
+    """Every rank's entry, validated as that rank's state of a job of ``len(states)`` ranks."""
+    config, world = shape.config, len(states)
+    points = []
+    for r, sd in enumerate(states):
+        try:
+            points.append(
+                S.ResumePoint.from_state(
+                    sd,
+                    dict(config, world_size=world, rank=r),
+                    shape.kind == STATEFUL,
+                    dataset=shape.data,
+                    dataset_change_ok=True,
+                )
+            )
+        except CheckpointError as e:
+            if r == config["rank"] and world == config["world_size"]:
+                raise  # this rank's own entry: its error as a rank's own state gives it
+            raise CheckpointError(
+                f"{e} (In ranks[{r}], the state of rank {r} of the global state: every rank "
+                "checks every rank's entry.)"
+            ) from None
+    return points
+
+
+def _check_every_rank(states: list[dict[str, Any]], shape: LoaderShape) -> None:
+    """Refuse a global state loaded on the world size and batch size that saved it if any
+    rank's entry is one its own rank would refuse, or the entries disagree: what the re-cut
+    (``_recut``, ``ranks.recut``) checks of them on another world size."""
+    points = _rank_points(states, shape)
+    for p in points:
+        D.settle(p)
+    D.check_ranks(points, shape.plan.sampler)
+    begun = [p for p in points if p.consumed or p.ahead]
+    if not begun:
+        return
+    # The entries inside the epoch share its sampler epoch and level (check_ranks), and
+    # torch's cut gives every rank a share of one length: one count for all.
+    ref = begun[0]
+    share = shape.plan.distributed_tasks(ref.sampler_epoch, ref.history)
+    for r, p in enumerate(points):
+        if p.consumed + len(p.ahead) > share:
+            raise CheckpointError(
+                f"cannot load DataLoader state: ranks[{r}].consumed: the state of rank {r} "
+                f"has {p.consumed} batches consumed, but a rank's share of the epoch has only "
+                f"{share}. The state is damaged, or from another dataset: build the loader "
+                "with the dataset, batch size and sampler of the checkpoint."
+            )
 
 
 # ---- the position fits this loader ---------------------------------------------------------

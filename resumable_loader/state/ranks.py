@@ -40,6 +40,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..core.errors import CheckpointError
 from .codec import clip_repr, dump_state, load_state
+from .seeds import DIST_SEED, derive_seed
 
 GLOBAL_FORMAT = "resumable_loader.DataLoader.global"
 GLOBAL_VERSION = 1
@@ -207,16 +208,11 @@ def recut(
             "in_order=False, whose delivered batches are not a prefix of each rank's share; "
             f"it resumes only on the same number of ranks ({world})."
         )
+    check_ranks(points, sampler)
     epoch = min(p.epoch for p in points)
     within = [p for p in points if p.epoch == epoch]
     started = [p for p in within if p.consumed or p.history]
     done = [p for p in points if p.epoch != epoch]
-    if any(p.epoch != epoch + 1 or p.consumed or p.history for p in done):
-        raise CheckpointError(
-            "cannot load DataLoader state: epoch: the ranks' states are more than one batch "
-            f"apart (epochs {sorted({p.epoch for p in points})}); take the checkpoint at a "
-            "step all ranks reached."
-        )
     skipped = sorted({tuple(map(repr, x)): x for p in points for x in p.skipped}.values())
     # What every rank holds alike: a Mixture's plan and the skips (skip_samples writes each
     # into every rank's state). Without the plan a Mixture job could not resume re-cut.
@@ -233,13 +229,19 @@ def recut(
             **common,
         )
     ref = (started or within)[0]
-    if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
-        raise CheckpointError(
-            "cannot load DataLoader state: distributed: the ranks' states are from different "
-            "epochs of the DistributedSampler; take the checkpoint at a step all ranks reached."
-        )
     seq = level_sequence(epoch_order(sampler, ref.sampler_epoch), ref.history, sampler.drop_last)
     share = cut_length(len(seq), world, sampler.drop_last) // world
+    for r, p in enumerate(points):
+        per = p.per_task() or 1
+        if p.epoch == epoch and p.consumed and (p.consumed - 1) * per >= share:
+            # (Checked here, not by the loader's own fit check: a re-cut reads every rank's
+            # count, which samples_taken would clamp to the share, hiding the damage.)
+            raise CheckpointError(
+                f"cannot load DataLoader state: ranks[{r}].consumed: the state of rank {r} "
+                f"has {p.consumed} batches of {per} consumed, but a rank's share of the "
+                f"epoch has only {share} samples. The state is damaged, or from another "
+                "dataset: build the loader with the dataset and sampler of the checkpoint."
+            )
     taken = [
         share if p.epoch != epoch else samples_taken(p.consumed, share, p.per_task())
         for p in points
@@ -252,7 +254,10 @@ def recut(
     delivered_now = [
         kept(t, p.per_task(), batch_drop) if p.epoch != epoch else t for t, p in zip(taken, points)
     ]
-    levels: list[Level] = [(w, list(c), list(c)) for w, c in ref.history]
+    levels = history_levels(
+        len(sampler.dataset), ref.history, ref.skipped_samples, epoch, sampler.drop_last
+    )
+    not_delivered = sum(sum(c) for _, c, d in levels if d == [0])
     if any(taken):
         levels.append((world, taken, delivered_now))
     _warn_uneven(
@@ -262,6 +267,7 @@ def recut(
         drop_last=sampler.drop_last,
         batch=(batch, batch_drop),
         notes=notes,
+        skipped=not_delivered,
     )
     return ResumePoint(
         seed=None,
@@ -272,6 +278,70 @@ def recut(
         skipped=skipped,
         **common,
     )
+
+
+def check_ranks(points: list[Any], sampler: Any) -> None:
+    """What every rank's entry of a global state must agree on, checked alike by every rank
+    that loads it, whatever its world size (``points[r]``: rank r's validated, settled
+    ``ResumePoint``): a job's ranks are at most one batch apart -- those past the epoch's
+    end at the next epoch's start --, those inside the epoch in the same sampler epoch and
+    level, and each rank's seed is the one ``sampler`` (the loader's ``DistributedSampler``,
+    whose seed the config check matched) derives for that rank. Cheap: no epoch order.
+
+    Raises:
+        CheckpointError: the entries disagree, or a seed is not its rank's.
+    """
+    world = len(points)
+    epoch = min(p.epoch for p in points)
+    within = [p for p in points if p.epoch == epoch]
+    started = [p for p in within if p.consumed or p.history]
+    done = [p for p in points if p.epoch != epoch]
+    if any(p.epoch != epoch + 1 or p.consumed or p.history for p in done):
+        raise CheckpointError(
+            "cannot load DataLoader state: epoch: the ranks' states are more than one batch "
+            f"apart (epochs {sorted({p.epoch for p in points})}); take the checkpoint at a "
+            "step all ranks reached."
+        )
+    if started or done:
+        ref = (started or within)[0]
+        if any((p.sampler_epoch, p.history) != (ref.sampler_epoch, ref.history) for p in within):
+            raise CheckpointError(
+                "cannot load DataLoader state: distributed: the ranks' states are from "
+                "different epochs of the DistributedSampler; take the checkpoint at a step all "
+                "ranks reached."
+            )
+    for r, p in enumerate(points):
+        if p.seed is None or p.ended:
+            continue  # between epochs: the seed is drawn at the next iter()
+        want = derive_seed(DIST_SEED, sampler.seed, p.sampler_epoch, len(p.history), world, r)
+        if p.seed != want:
+            raise CheckpointError(
+                f"cannot load DataLoader state: ranks[{r}].seed: the state of rank {r} has "
+                f"{clip_repr(p.seed)}, but its DistributedSampler (seed {sampler.seed}, sampler "
+                f"epoch {p.sampler_epoch}, level {len(p.history)}, rank {r} of {world}) "
+                f"derives {want}. The state is damaged: load the global state as it was saved."
+            )
+
+
+def history_levels(
+    n: int, history: list[Any], skips: list[list[int]], epoch: int, drop_last: bool
+) -> list[Level]:
+    """The epoch's ``history`` as ``Level`` s: what each rank took of each level and what it
+    delivered. A level ``skip_samples`` wrote (world size 1, its ``n`` samples taken at the
+    place its ``skipped_samples`` record names) delivered nothing: those samples are skipped,
+    and the re-cut's account must not count them delivered."""
+    pending = [list(x) for x in skips if len(x) == 3 and x[0] == epoch]
+    out: list[Level] = []
+    length = n
+    for w, c in history:
+        record = [epoch, n - length, c[0]] if w == 1 and len(c) == 1 else None
+        if record is not None and record in pending:
+            pending.remove(record)
+            out.append((w, list(c), [0]))
+        else:
+            out.append((w, list(c), list(c)))
+        length = remaining_length(length, w, c, drop_last)
+    return out
 
 
 def fresh_level(states: list[Any]) -> bool:
@@ -339,11 +409,13 @@ def _warn_uneven(
     drop_last: bool,
     batch: tuple[int | None, bool],
     notes: list[str] | None = None,
+    skipped: int = 0,
 ) -> None:
     """Warn (or add to ``notes``) when the re-cut of what the epoch's ``levels`` left, for
     ``world`` ranks, repeats or drops samples (torch's rule for an epoch's end), with the
     epoch's whole account: what earlier cuts trimmed, what incomplete last batches dropped,
-    and what an uninterrupted run would have left out."""
+    and what an uninterrupted run would have left out. ``skipped``: samples of the levels that
+    ``skip_samples`` skipped (not delivered, and not dropped by any cut)."""
     missed, repeated, left = epoch_account(total, levels, world, drop_last, batch)
     extra = left % world
     if not extra:
@@ -370,7 +442,11 @@ def _warn_uneven(
         for k, why in (
             (here, "by this cut"),
             (trimmed, f"by the epoch's cut for {worlds} ranks"),
-            (missed - here - trimmed, "in incomplete last batches (DataLoader(drop_last=True))"),
+            (skipped, "skipped by skip_samples"),
+            (
+                missed - here - trimmed - skipped,
+                "in incomplete last batches (DataLoader(drop_last=True))",
+            ),
         )
         if k
     ]

@@ -1285,9 +1285,6 @@ def test_refused_after_the_mixture_plan_was_built(kw):
         b.close()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="finding 13: the reshape warning counts skipped samples as delivered"
-)
 def test_FINDING_skip_then_reshape_warning_counts_skipped_samples_as_delivered():
     """After skip_samples(global, 5) the reshape warning says "40 of the epoch's 40 samples are
     delivered": 5 of them were skipped and are never delivered."""
@@ -1541,7 +1538,6 @@ def _reseeding_init(worker_id):
     torch.manual_seed(5)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4: the warning points into the supervisor")
 @pytest.mark.parametrize("persistent", [False, True])
 def test_FINDING_worker_init_fn_manual_seed_warning_points_at_the_users_line(persistent):
     """guarantees.md: a worker_init_fn that calls torch.manual_seed() is overridden "and [we]
@@ -1677,9 +1673,6 @@ def _load_on(g, world, bs):
     return out
 
 
-@pytest.mark.xfail(
-    strict=True, reason="finding 11: ranks from different epochs accepted on the same world size"
-)
 def test_FINDING_global_state_with_ranks_from_different_epochs_refused_on_every_world_size():
     """A global state whose ranks are from different epochs (rank 1's from epoch 5) is refused
     on 1 and 3 ranks ("the ranks' states are from different epochs"), but on 2 ranks every rank
@@ -1693,7 +1686,6 @@ def test_FINDING_global_state_with_ranks_from_different_epochs_refused_on_every_
     assert _load_on(mixed, 2, 4) == ["refused"] * 2
 
 
-@pytest.mark.xfail(strict=True, reason="finding 12: a rank past the epoch accepted when reshaped")
 def test_FINDING_global_state_with_a_rank_past_the_epoch_refused_when_reshaped():
     """Rank 1's entry says 9 batches consumed of its 5-batch epoch (a position past the end).
     Loaded on 2 ranks, rank 1 refuses it; loaded on 1 or 3 ranks (a re-cut) every rank accepts
@@ -1707,7 +1699,6 @@ def test_FINDING_global_state_with_a_rank_past_the_epoch_refused_when_reshaped()
     assert _load_on(bad, 1, 4) == ["refused"]
 
 
-@pytest.mark.xfail(strict=True, reason="finding 12: a damaged rank seed accepted")
 def test_FINDING_global_state_with_a_damaged_rank_seed_is_refused():
     """Under a DistributedSampler a rank's epoch seed follows from the sampler's seed, its epoch
     and the rank (guarantees.md); a rank entry whose `seed` was changed is accepted on every
@@ -1720,7 +1711,6 @@ def test_FINDING_global_state_with_a_damaged_rank_seed_is_refused():
     assert _load_on(bad, 2, 4)[1] == "refused"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 12: each rank checks only its own entry")
 def test_FINDING_a_global_state_is_refused_by_every_rank_or_by_none():
     """On the same world size each rank checks only its own entry of a global state: rank 0
     accepts a state whose rank-1 entry is damaged (version 99), a duplicate of rank 0's, or

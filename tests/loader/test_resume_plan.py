@@ -11,6 +11,7 @@ loader -- its state, iterator, dataset, sampler and generators -- exactly as it 
 
 from __future__ import annotations
 
+import base64
 import warnings
 from collections.abc import Callable
 from dataclasses import FrozenInstanceError, dataclass, field
@@ -22,8 +23,9 @@ from _datasets import CursorSampler, EveryOtherReversedSampler, RangeDataset, Sh
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler, SubsetRandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states
+from resumable_loader import CheckpointError, DataLoader, Mixture, merge_rank_states, skip_samples
 from resumable_loader.loader.resume import ResumePlan, plan_resume
+from resumable_loader.state.codec import dump_state, load_state
 from resumable_loader.state.cursor import Cut
 
 N = 16
@@ -61,6 +63,21 @@ def _global(world: int, batches: int, batch: int = 2, shuffle: bool = False) -> 
     return merge_rank_states(
         [_saved(_dist(world, r, batch, shuffle), batches) for r in range(world)]
     )
+
+
+def _with_rank(g: dict[str, Any], rank: int, **fields: Any) -> dict[str, Any]:
+    """The global state ``g`` with rank ``rank``'s entry changed by ``fields``."""
+    sd = load_state(base64.b64decode(g["ranks"][rank]))
+    ranks = list(g["ranks"])
+    ranks[rank] = base64.b64encode(dump_state(dict(sd, **fields))).decode()
+    return dict(g, ranks=ranks)
+
+
+def _mixed_epochs() -> dict[str, Any]:
+    """A global state whose rank 1 is in sampler epoch 5, rank 0 in epoch 0."""
+    late = _dist(2, 1)
+    late.sampler.set_epoch(5)  # type: ignore[attr-defined]
+    return merge_rank_states([_saved(_dist(2, 0), 1), _saved(late, 1)])
 
 
 def _drop(state: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -205,6 +222,25 @@ PLANS = [
         expect={"point.history": [[2, [4, 4]]], "point.batch": 3},
     ),
     Row(
+        "distributed-skip-then-three-ranks",
+        lambda: skip_samples(_global(2, 1), 3),
+        lambda: _dist(3, 0),
+        # 16 - 4 taken - 3 skipped = 9 left, a multiple of 3: no warning; the skip level
+        # stays in the history.
+        expect={"point.history": [[2, [2, 2]], [1, [3]]], "point.skipped_samples": [[0, 4, 3]]},
+        check=lambda p: not p.warnings,
+    ),
+    Row(
+        "distributed-skip-then-two-ranks-account",
+        lambda: skip_samples(_global(2, 1), 5),
+        lambda: _dist(2, 0, batch=4),
+        # 4 taken, 5 skipped, 7 left for 2 ranks (one padded): the 5 are not delivered.
+        check=lambda p: any(
+            "11 of the epoch's 16 samples are delivered" in w and "5 skipped by skip_samples" in w
+            for w in p.warnings
+        ),
+    ),
+    Row(
         "changed-data-continued",
         lambda: _saved(DataLoader(RangeDataset(N), batch_size=4), 1),
         lambda: DataLoader(RangeDataset(N + 4), batch_size=4),
@@ -286,6 +322,37 @@ REFUSALS = [
         lambda: _saved(_dist(2, 0), 1),
         lambda: _dist(3, 0),
         refused="config.world_size",
+    ),
+    # Every rank checks every entry of a global state: all ranks refuse it, or none.
+    Row(
+        "global-state-another-rank-past-its-share",
+        lambda: _with_rank(_global(2, 1), 1, consumed=9),
+        lambda: _dist(2, 0),
+        refused="ranks[1].consumed: the state of rank 1 has 9 batches consumed",
+    ),
+    Row(
+        "global-state-another-rank-past-its-share-re-cut",
+        lambda: _with_rank(_global(2, 1), 1, consumed=9),
+        lambda: _dist(3, 0),
+        refused="ranks[1].consumed: the state of rank 1 has 9 batches of 2 consumed",
+    ),
+    Row(
+        "global-state-another-rank-damaged-seed",
+        lambda: _with_rank(_global(2, 1), 1, seed=123),
+        lambda: _dist(2, 0),
+        refused="ranks[1].seed: the state of rank 1 has 123",
+    ),
+    Row(
+        "global-state-another-rank-of-another-version",
+        lambda: _with_rank(_global(2, 1), 1, version=99),
+        lambda: _dist(2, 0),
+        refused="(In ranks[1], the state of rank 1 of the global state",
+    ),
+    Row(
+        "global-state-ranks-in-different-epochs",
+        _mixed_epochs,
+        lambda: _dist(2, 0),
+        refused="the ranks' states are from different epochs",
     ),
     Row(
         "global-state-on-another-sampler",

@@ -51,7 +51,9 @@ def warn_seeding() -> None:
         "the randomness, seed the loader instead: DataLoader(..., "
         "generator=torch.Generator().manual_seed(s)).",
         RuntimeWarning,
-        stacklevel=2,
+        # At the user's loop (the next() that saw the worker's report), as the loader's
+        # other warnings are: a filter by module, and the line in a log, are then the user's.
+        stacklevel=_outside_the_package(),
     )
 
 
