@@ -407,6 +407,7 @@ def _check_every_rank(states: list[dict[str, Any]], shape: LoaderShape) -> None:
 def _check_fits(rp: S.ResumePoint, shape: LoaderShape) -> None:
     """The position lies inside an epoch of this loader."""
     plan = shape.plan
+    _check_skipped_fit(rp, shape)
     if shape.kind == DISTRIBUTED:
         share = plan.distributed_tasks(rp.sampler_epoch, rp.history)
         if rp.consumed + len(rp.ahead) > share:
@@ -415,6 +416,7 @@ def _check_fits(rp: S.ResumePoint, shape: LoaderShape) -> None:
                 f"batches consumed, but this rank's share of the epoch has only {share}. "
                 "Build the loader with the dataset, batch size and sampler of the checkpoint."
             )
+        _check_ahead_fits(rp, share, "this rank's share of the epoch")
     if shape.kind == BUILTIN and rp.cut is not None:
         _, problem = check_cut(rp.cut.to_state(), plan.epoch_samples())
         if problem is not None:
@@ -432,6 +434,51 @@ def _check_fits(rp: S.ResumePoint, shape: LoaderShape) -> None:
                 f"cannot load DataLoader state: consumed: the state has {rp.consumed} "
                 f"batches consumed, but an epoch of this loader has only {total}. Build the "
                 "loader with the dataset and batch size of the checkpoint."
+            )
+        if total is not None:
+            _check_ahead_fits(rp, total, "an epoch of this loader")
+
+
+def _check_ahead_fits(rp: S.ResumePoint, tasks: int, what: str) -> None:
+    """Batches delivered ahead are batches of the epoch: their ids lie below its ``tasks``.
+    (Their count alone may fit while an id lies past the end: such a batch was never sent,
+    and the resume would skip it and deliver it, or deliver nothing, silently.)"""
+    if rp.ahead and max(rp.ahead) >= tasks:
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_AHEAD}: the state has batch "
+            f"{max(rp.ahead)} delivered ahead, but {what} has only {tasks} batches (ids 0 to "
+            f"{tasks - 1}). The state is damaged, or from a loader over other data or with "
+            "another batch size: build the loader with the dataset and batch size of the "
+            "checkpoint."
+        )
+
+
+def _check_skipped_fit(rp: S.ResumePoint, shape: LoaderShape) -> None:
+    """Poison batches skipped in the state's own epoch are batches of it: their task ids lie
+    below the most tasks its epoch can make. Each keeps the id of the cut (batch size) it
+    was skipped in, so the bound is the epoch's samples (a batch holds at least one) for the
+    samplers that re-cut; a stateful sampler's were drawn. Not checked on changed data (the
+    epoch was the old data's) nor for streams (no length)."""
+    if rp.dataset_changes:
+        return
+    kind = shape.kind
+    bound: int | None = None
+    if kind in (BUILTIN, DISTRIBUTED):
+        bound = shape.plan.epoch_samples()
+    elif kind == STATEFUL:
+        bound = rp.drawn
+    elif kind == FASTFORWARD:
+        bound = shape.length
+    if bound is None:
+        return
+    for epoch, tid, idx in rp.skipped:
+        if epoch == rp.epoch and not 0 <= tid < bound:
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_SKIPPED}: task {tid} of epoch {epoch} "
+                f"(the state's) was skipped (sample indices {clip_text(repr(idx), 80)}), but "
+                f"an epoch of this loader has at most {bound} tasks. The state is damaged, "
+                "or from a loader over other data: build the loader with the dataset and "
+                "sampler of the checkpoint."
             )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -44,6 +44,23 @@ class LoaderStatistics:
     workers_alive: int = 0
     worker_pids: tuple[int, ...] = ()
     worker_states: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A snapshot built from a plain dict (by ``__reduce__`` on unpickling) is as read-only
+        # as one built from the counters.
+        if not isinstance(self.respawns_by_cause, MappingProxyType):
+            object.__setattr__(
+                self, "respawns_by_cause", MappingProxyType(dict(self.respawns_by_cause))
+            )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A mappingproxy does not pickle: the snapshot travels with a copy of its dict and is
+        # rebuilt through the constructor, which wraps it read-only again.
+        values = (getattr(self, f.name) for f in fields(self))
+        return (
+            type(self),
+            tuple(dict(v) if isinstance(v, MappingProxyType) else v for v in values),
+        )
 
 
 class Counters:

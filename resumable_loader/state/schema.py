@@ -413,7 +413,7 @@ def parse_state(
         raise F.changed_error(changes)
     # Read field by field, in the order the checks name them, and built once: a ResumePoint
     # is not changed after it is made on the resume path (see ``ResumePoint``).
-    seed = None if K_SEED in sd and sd[K_SEED] is None else _int(sd, K_SEED)
+    seed = None if K_SEED in sd and sd[K_SEED] is None else _read_seed(sd)
     fields: dict[str, Any] = {
         "epoch": _int(sd, K_EPOCH),
         "chain": _chain(sd, str(config["sampler"]).startswith("distributed(")),
@@ -438,8 +438,16 @@ def parse_state(
     fields["ahead"] = frozenset(ahead)
     if stateful_sampler:
         fields |= _read_sampler(sd, config)
+        if ahead and max(ahead) >= fields["drawn"]:
+            # A batch is delivered after the sampler drew it.
+            raise _fail(
+                K_AHEAD,
+                f"batch {max(ahead)} delivered ahead, but only {fields['drawn']} were drawn",
+                "the state is damaged",
+            )
     if fields["iterable"]:
         fields |= _read_workers(sd, max(1, config["num_workers"]))
+        _check_stream_consumed(consumed, fields["workers"])
     if str(config["sampler"]).startswith("distributed("):
         fields |= _read_distributed(sd)
     fields["skipped"] = _read_skipped(sd)
@@ -453,10 +461,7 @@ def parse_state(
     fields["batch"] = sd[K_CONFIG].get("batch_size")
     if "batch_sampler" in sd[K_CONFIG]:
         fields["batch_sampler"] = sd[K_CONFIG]["batch_sampler"] is not None
-    plan = sd.get(K_PLAN)
-    if plan is not None and not isinstance(plan, dict):
-        raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
-    fields["plan"] = plan
+    fields["plan"] = _read_plan(sd, fields["epoch"], bool(consumed or ahead))
     rng = sd.get(K_SAMPLER_RNG)
     if rng is not None:
         problem = check_generator(rng)
@@ -466,6 +471,55 @@ def parse_state(
     rp = ResumePoint(seed=seed, **fields)
     _check_begun(rp)
     return rp
+
+
+# Every seed a loader writes is 63 bits (``state.seeds``: derived or drawn so); one past them
+# was not written by a loader, and would be folded into 64 bits by the seeding.
+_SEED_END = 2**63
+
+
+def _read_seed(sd: dict[str, Any]) -> int:
+    seed = sd.get(K_SEED)
+    if type(seed) is not int or not 0 <= seed < _SEED_END:
+        raise _fail(
+            K_SEED,
+            f"expected None or an int in [0, 2**63), got {clip_repr(seed)}",
+            "the state is damaged",
+        )
+    return seed
+
+
+def _read_plan(sd: dict[str, Any], epoch: int, delivered: bool) -> dict[str, Any] | None:
+    """A ``Mixture``'s plan, as far as it must agree with the rest of the state (the plan
+    itself is ``plans.mixture_state``'s to validate).
+
+    Its ``num_samples`` is the mixture's length, which the state's config records as
+    ``dataset_len``. Its ``epoch`` is the one the loader's last ``iter()`` set: once a batch
+    of the state's epoch was ``delivered``, that epoch. (Between epochs it is the epoch
+    before, or -- before any ``iter()`` -- whatever the mixture was built with.)"""
+    plan = sd.get(K_PLAN)
+    if plan is None:
+        return None
+    if not isinstance(plan, dict):
+        raise _fail(K_PLAN, f"expected a dict, got {type(plan).__name__}", "the state is damaged")
+    length = sd[K_CONFIG].get("dataset_len")
+    theirs = plan.get("num_samples")
+    if type(theirs) is int and type(length) is int and theirs != length:
+        raise _fail(
+            f"{K_PLAN}.num_samples",
+            f"{clip_repr(theirs)}, but the state's config.dataset_len (the Mixture's "
+            f"length) is {length}",
+            "the state is damaged",
+        )
+    theirs = plan.get("epoch")
+    if delivered and type(theirs) is int and theirs != epoch:
+        raise _fail(
+            f"{K_PLAN}.epoch",
+            f"{clip_repr(theirs)}, but the state is inside epoch {epoch}, which the loader "
+            "set the Mixture to",
+            "the state is damaged",
+        )
+    return plan
 
 
 def _check_begun(rp: ResumePoint) -> None:
@@ -819,6 +873,24 @@ def _read_workers(sd: dict[str, Any], n: int) -> dict[str, Any]:
             "the state is damaged",
         )
     return {"workers": positions, "next_worker": next_worker}
+
+
+def _check_stream_consumed(consumed: int, workers: list[WorkerPosition]) -> None:
+    """A stream's ``consumed`` counts the batches released to the caller in task order; each
+    was a worker's fetch (its ``delivered``) or the end of a shard (a worker left with
+    ``exhausted``). While no shard has ended, ``consumed`` is at most their sum. It may be
+    below it: with ``in_order=False`` the batches past the first one still loading are
+    delivered, and only the workers count them (the state does not say ``in_order``, so
+    neither the sum nor ``next_worker`` is checked against torch's turns)."""
+    delivered = sum(w.delivered for w in workers)
+    if consumed > delivered and not any(w.exhausted for w in workers):
+        raise _fail(
+            K_CONSUMED,
+            f"{consumed} batches consumed, but the workers delivered only {delivered} "
+            f"({K_WORKERS}[].delivered={[w.delivered for w in workers][:8]}) and none of "
+            "their shards ended",
+            "the state is damaged",
+        )
 
 
 def _read_triples(sd: dict[str, Any], key: str, valid: Any, shape: str) -> list[list[Any]]:

@@ -435,7 +435,6 @@ def _good_map_state():
     return make, src.state_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5: delivered_ahead past the epoch accepted")
 def test_FINDING_delivered_ahead_past_the_epoch_is_refused():
     """docs/guarantees.md: load_state_dict "refuses anything malformed ... naming the field".
     delivered_ahead=[3] (below consumed) is refused as damaged, but a batch id past the end of
@@ -448,7 +447,6 @@ def test_FINDING_delivered_ahead_past_the_epoch_is_refused():
         a.load_state_dict(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: seed >= 2**64 accepted")
 def test_FINDING_seed_outside_64_bits_is_refused():
     """seed_chain.root must be an int in [0, 2**63) or the state is refused as damaged; the
     epoch's own `seed` of 2**64 (no loader can write it) is accepted and drives the epoch."""
@@ -460,7 +458,6 @@ def test_FINDING_seed_outside_64_bits_is_refused():
         a.load_state_dict(bad)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 7: a skipped task past the epoch accepted")
 def test_FINDING_skipped_task_past_the_epoch_is_refused():
     """`skipped` records poison batches skipped ([epoch, task id, indices]); a task id past the
     epoch's 10 batches, in the epoch the state is in, is accepted silently."""
@@ -950,7 +947,6 @@ def test_our_samplers_pickle():
         assert type(pickle.loads(pickle.dumps(obj))) is type(obj)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: LoaderStatistics holds a mappingproxy")
 def test_FINDING_statistics_snapshot_pickles():
     """statistics() is "a frozen snapshot" of a public type (LoaderStatistics): a snapshot of
     plain counters that cannot be pickled (to a metrics process, a log, a checkpoint) breaks
@@ -1322,7 +1318,13 @@ def _stream_state():
     return make, good
 
 
-@pytest.mark.xfail(strict=True, reason="finding 8: stream consumed != sum(delivered) accepted")
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding 8: not refusable from the state alone -- a loader with in_order=False "
+    "writes consumed below the workers' sum (e.g. consumed=1, delivered=[8, 0]) and the state "
+    "does not record in_order; consumed above the sum with no shard ended is refused "
+    "(tests/state/test_schema.py)",
+)
 def test_FINDING_stream_state_consumed_disagreeing_with_workers_is_refused():
     """In order, `consumed` is the sum of the workers' `delivered`. A state saying worker 0
     delivered 7 batches while consumed is 3 is accepted and resumes worker 0 four batches
@@ -1343,7 +1345,12 @@ def test_FINDING_stream_state_consumed_disagreeing_with_workers_is_refused():
             a.close()
 
 
-@pytest.mark.xfail(strict=True, reason="finding 9: stream next_worker out of turn accepted")
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding 9: not refusable from the state alone -- a loader with in_order=False "
+    "writes next_worker off the counts' turn (e.g. consumed=20, delivered=[18, 2], "
+    "next_worker=0) and the state does not record in_order",
+)
 def test_FINDING_stream_state_next_worker_disagreeing_with_round_robin_is_refused():
     """In order, the round robin is fixed by the counts ([2, 1] delivered: worker 1 is next).
     next_worker=0 is accepted, and the resumed stream comes in another order than the
@@ -1836,9 +1843,6 @@ def test_cli_without_arguments_is_usage_not_traceback():
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
 
 
-@pytest.mark.xfail(
-    strict=True, reason="finding 10: a data_plan disagreeing with the state accepted"
-)
 @pytest.mark.parametrize("field,value", [("epoch", 10**20), ("num_samples", 10**20)])
 def test_FINDING_data_plan_disagreeing_with_the_state_is_refused(field, value):
     """A state's data_plan whose epoch (10**20, the state's is 0) or num_samples (10**20, the

@@ -409,7 +409,67 @@ REFUSALS = [
         ),
         refused="source 'b' had 6 items in the checkpoint, now 7",
     ),
+    # Fields that disagree with the rest of the state (docs/guarantees.md: a damaged state is
+    # refused, naming the field, rather than resumed at another sample).
+    Row(
+        "delivered-ahead-past-the-epoch",
+        lambda: dict(_saved(DataLoader(RangeDataset(N), batch_size=4), 1), delivered_ahead=[4]),
+        lambda: DataLoader(RangeDataset(N), batch_size=4),
+        refused="delivered_ahead: the state has batch 4 delivered ahead, but an epoch of this "
+        "loader has only 4 batches",
+    ),
+    Row(
+        "delivered-ahead-past-the-rank-share",
+        lambda: dict(_saved(_dist(2, 0), 1), delivered_ahead=[4]),
+        lambda: _dist(2, 0),
+        refused="but this rank's share of the epoch has only 4 batches",
+    ),
+    Row(
+        "delivered-ahead-not-drawn",
+        lambda: dict(
+            _saved(DataLoader(RangeDataset(16), batch_size=4, sampler=CursorSampler(16)), 1),
+            delivered_ahead=[3],
+        ),
+        lambda: DataLoader(RangeDataset(16), batch_size=4, sampler=CursorSampler(16)),
+        refused="delivered_ahead: batch 3 delivered ahead, but only",
+    ),
+    Row(
+        "seed-past-63-bits",
+        lambda: dict(_saved(DataLoader(RangeDataset(N), batch_size=4), 1), seed=2**64),
+        lambda: DataLoader(RangeDataset(N), batch_size=4),
+        refused="seed: expected None or an int in [0, 2**63)",
+    ),
+    Row(
+        "skipped-task-past-the-epoch",
+        lambda: dict(
+            _saved(DataLoader(RangeDataset(N), batch_size=4), 1), skipped=[[0, N, [1, 2]]]
+        ),
+        lambda: DataLoader(RangeDataset(N), batch_size=4),
+        refused=f"skipped: task {N} of epoch 0 (the state's) was skipped",
+    ),
+    Row(
+        "stream-consumed-past-what-the-workers-delivered",
+        lambda: dict(_saved(DataLoader(ShardedStream(8), batch_size=2), 1), consumed=2),
+        lambda: DataLoader(ShardedStream(8), batch_size=2),
+        refused="consumed: 2 batches consumed, but the workers delivered only 1",
+    ),
+    Row(
+        "mixture-plan-of-another-length",
+        lambda: _with_plan(_saved(DataLoader(_mix(), batch_size=4), 1), num_samples=N + 1),
+        lambda: DataLoader(_mix(), batch_size=4),
+        refused=f"data_plan.num_samples: {N + 1}, but the state's config.dataset_len",
+    ),
+    Row(
+        "mixture-plan-of-another-epoch",
+        lambda: _with_plan(_saved(DataLoader(_mix(), batch_size=4), 1), epoch=3),
+        lambda: DataLoader(_mix(), batch_size=4),
+        refused="data_plan.epoch: 3, but the state is inside epoch 0",
+    ),
 ]
+
+
+def _with_plan(state: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return dict(state, data_plan=dict(state["data_plan"], **changes))
 
 
 def _plan(row: Row) -> ResumePlan:

@@ -61,7 +61,8 @@ def positions(draw: Any) -> tuple[ResumePoint, dict[str, Any]]:
     if kind != "iterable":
         rp.ahead = frozenset(draw(st.lists(st.integers(consumed + 1, consumed + 50), max_size=4)))
     if kind == "stateful":
-        rp.drawn = consumed + len(rp.ahead) + draw(st.integers(0, 5))
+        # What was delivered was drawn first.
+        rp.drawn = max([consumed, *(t + 1 for t in rp.ahead)]) + draw(st.integers(0, 5))
         rp.sampler_state = draw(plain)
         rp.sampler_done = draw(st.booleans())
         ids = st.integers(0, rp.drawn - 1) if rp.drawn else st.nothing()
@@ -74,6 +75,9 @@ def positions(draw: Any) -> tuple[ResumePoint, dict[str, Any]]:
             at = draw(st.integers(0, delivered)) if state is not None else 0
             rp.workers.append(WorkerPosition(delivered, draw(st.booleans()), state, at))
         rp.next_worker = draw(st.integers(0, max(1, num_workers) - 1))
+        if not any(w.exhausted for w in rp.workers):
+            # Each batch consumed was a worker's fetch while no shard has ended.
+            rp.consumed = min(consumed, sum(w.delivered for w in rp.workers))
     rp.skipped = [[draw(ints), draw(ints), [1, 2]] for _ in range(draw(st.integers(0, 2)))]
     return rp, config
 
