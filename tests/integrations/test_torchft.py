@@ -225,9 +225,19 @@ def test_three_groups_two_killed_at_once(job: Job) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("grads", ["manual"])
+@pytest.mark.parametrize(
+    "grads",
+    [
+        "manual",
+        # torchft 0.2.0's DDP: the comm hook asserts (`fut._fut`), and the next forward fails
+        # in the reducer (`!unmarked_param_indices.empty()`): the survivor dies. Strict, so
+        # a torchft that fixes it shows up here.
+        pytest.param("ddp", marks=pytest.mark.xfail(strict=True, reason="torchft DDP hook")),
+    ],
+)
 def test_group_dies_inside_the_allreduce(tmp_path: Path, lighthouse: str, grads: str) -> None:
-    # g1 dies after its forward, so g0's gradient allreduce runs against a dead peer.
+    # g1 dies after its forward, so g0's gradient allreduce runs against a dead peer: with
+    # manager.allreduce the step is aborted, dealt again to g0 alone, and committed.
     j = Job(tmp_path, lighthouse, grads=grads)
     try:
         j.start(0)
