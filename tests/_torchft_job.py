@@ -9,8 +9,9 @@ before the forward, so a group that dies mid-step still says what it was dealt) 
 the record. ``KILL_AT=<step>:<phase>`` makes it SIGKILL itself, deterministically, at
 ``top`` (before ``next()``), ``before_backward`` (after the forward: the peers' gradient
 allreduce then runs against a dead group) or ``after_backward`` (before ``should_commit``).
-``GATE_STEP``/``GATE_FILE`` hold a live group after that step until the harness has brought
-a restarted group up, so the restart lands mid-epoch whatever the import time.
+``START_FILE`` holds the first groups until all are up; ``GATE_STEP``/``GATE_FILE`` hold a
+live group after that step until the harness has brought a restarted group up, so the
+restart lands mid-epoch whatever the import time.
 
 ``GRADS=manual`` (the default) averages the gradients with ``manager.allreduce`` after
 ``backward()``; ``GRADS=ddp`` uses torchft's ``DistributedDataParallel`` instead, whose comm
@@ -42,6 +43,7 @@ BATCH = int(os.environ.get("BATCH", "4"))
 KILL_AT = os.environ.get("KILL_AT", "")
 GATE_STEP = int(os.environ.get("GATE_STEP", "-1"))
 GATE_FILE = os.environ.get("GATE_FILE", "")
+START_FILE = os.environ.get("START_FILE", "")
 GRADS = os.environ.get("GRADS", "manual")
 RECORD = os.environ["RECORD"]
 
@@ -110,6 +112,10 @@ def main() -> None:
     inner = optim.SGD(model.parameters(), lr=0.1)
     opt = Optimizer(manager, inner)
     record(ev="ready", pid=os.getpid())
+    # Groups that reach the first quorum before the others would form it alone and train a
+    # lineage of their own (min_replicas=1): the harness starts the first ones together.
+    while START_FILE and not os.path.exists(START_FILE):
+        time.sleep(0.01)
 
     kill_if(manager.current_step(), "top")
     for batch in loader:

@@ -80,6 +80,7 @@ class Job:
             TORCHFT_LIGHTHOUSE=lighthouse,
             N=str(N),
             GRADS=grads,
+            START_FILE=str(tmp / "start"),
             PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]),
         )
         self.gate = tmp / "gate"
@@ -129,6 +130,15 @@ class Job:
             f"g{gid}.{inc} ready",
             lambda: any(r["ev"] == "ready" for r in read_records(self.record_path(gid, inc))),
         )
+
+    def go(self) -> None:
+        """Let the first groups into their first step together, once all are up."""
+        first = [gid for gid, inc in self.procs if inc == 0]
+        self.wait_for(
+            "the groups to be up",
+            lambda: all(read_records(self.record_path(gid, 0)) for gid in first),
+        )
+        (self.tmp / "start").touch()
 
     def open_gate(self) -> None:
         self.gate.touch()
@@ -200,6 +210,7 @@ def test_group_killed_before_commit_and_restarted(job: Job) -> None:
     kill, gate = 3, 5
     job.start(0, GATE_STEP=str(gate), GATE_FILE=str(job.gate))
     job.start(1, KILL_AT=f"{kill}:after_backward")
+    job.go()
     job.restart(1, 1, live=0, gate_step=gate)
     job.open_gate()
     check(job, survivors=[(0, 0), (1, 1)], restarted=[(1, 1)])
@@ -210,6 +221,7 @@ def test_three_groups_one_never_restarted(job: Job) -> None:
     job.start(0)
     job.start(1)
     job.start(2, KILL_AT="4:top")
+    job.go()
     check(job, survivors=[(0, 0), (1, 0)])
 
 
@@ -219,6 +231,7 @@ def test_three_groups_two_killed_at_once(job: Job) -> None:
     job.start(0, GATE_STEP="7", GATE_FILE=str(job.gate))
     job.start(1, KILL_AT="4:top")
     job.start(2, KILL_AT="4:top")
+    job.go()
     job.restart(1, 1, live=0, gate_step=7)
     job.open_gate()
     check(job, survivors=[(0, 0), (1, 1)], restarted=[(1, 1)])
@@ -242,6 +255,7 @@ def test_group_dies_inside_the_allreduce(tmp_path: Path, lighthouse: str, grads:
     try:
         j.start(0)
         j.start(1, KILL_AT="3:before_backward")
+        j.go()
         check(j, survivors=[(0, 0)])
     finally:
         j.close()
