@@ -27,6 +27,7 @@ import numpy as np
 from torch.utils.data import SequentialSampler
 
 from ..core.errors import CheckpointError
+from ..plans import streams as P
 from ..plans.index_plan import BUILTIN, DISTRIBUTED, FASTFORWARD, STATEFUL
 from ..plans.mixture import plan_changes, plan_load
 from ..plans.mixture_state import PlanLoad, RestAt
@@ -106,6 +107,8 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
         state, shape.config, shape.kind == STATEFUL, dataset=shape.data, dataset_change_ok=True
     )
     D.settle(rp)
+    if _redeals(rp, shape):
+        return _checked(_redeal(rp, shape), None, shape, policy, notes, False)
     same = _same_batch(state, shape) and (rp.cut is None or shape.kind == BUILTIN)
     return _checked(rp, state, shape, policy, notes, not same)
 
@@ -307,6 +310,80 @@ def _rebatch(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
         consumed=0,
         ahead=frozenset(),
         batch=mine,
+        source=None,
+    )
+
+
+# ---- a Stream on another layout: the re-deal ------------------------------------------------
+# A Stream's position is one cursor per partition, and a reader's output depends only on its
+# partitions' cursors (docs/streams.md). So a state saved by K workers with batch size b
+# continues on K' workers with b': merge every worker's cursors into one table, and give each
+# new worker its own partitions' cursors. Batches then differ from the uninterrupted run's;
+# each partition's rows do not.
+def _redeals(rp: S.ResumePoint, shape: LoaderShape) -> bool:
+    """Whether ``rp`` is a Stream's position taken on another worker count or batch size."""
+    if not rp.iterable or not S.is_stream_record(rp.dataset, shape.data):
+        return False
+    k = max(1, shape.config["num_workers"])
+    return len(rp.workers) != k or not S.same_state(rp.batch, shape.batch_size)
+
+
+def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
+    """The position of a Stream's state, re-dealt to this loader's workers.
+
+    Raises:
+        CheckpointError: a worker's state lags what it delivered (a replay, which only the
+            saving layout can do), a partition in two workers' states, or a layout whose
+            readers do not divide the partitions.
+    """
+    metas, tables = [], []
+    for i, w in enumerate(rp.workers):
+        st = w.dataset_state
+        if w.delivered and (st is None or w.state_at != w.delivered):
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_WORKERS}[{i}].state_at: worker {i}'s "
+                f"Stream state is from fetch {w.state_at if st is not None else 0} of the "
+                f"{w.delivered} it delivered, so only a replay on the saving layout "
+                "(num_workers, batch_size) reaches its position. Resume on that layout."
+            )
+        if st is None:
+            continue
+        if not isinstance(st, dict) or not isinstance(st.get(P.META_KEY), dict):
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_WORKERS}[{i}].dataset_state: not a "
+                f"Stream's state (no {P.META_KEY!r} key). The state is damaged."
+            )
+        metas.append(st[P.META_KEY])
+        tables.append({p: c for p, c in st.items() if p != P.META_KEY})
+    if not metas:
+        return dataclasses.replace(rp, batch=shape.batch_size, source=None)
+    meta = metas[0]
+    table = P.merge_cursors(tables)
+    parts, epoch = meta.get("partitions"), meta.get("epoch")
+    if type(parts) is not int or parts < 1 or type(epoch) is not int or epoch < 0:
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_WORKERS}[].dataset_state: stream.partitions "
+            f"and stream.epoch must be ints, got {parts!r} and {epoch!r}. The state is damaged."
+        )
+    world, rank = shape.config["world_size"], shape.config["rank"]
+    k = max(1, shape.config["num_workers"])
+    try:
+        P.check_layout(parts, world, k)
+    except ValueError as e:
+        raise CheckpointError(f"cannot load DataLoader state: {e}") from None
+    done = all(w.exhausted for w in rp.workers)
+    workers = []
+    for wid in range(k):
+        # A partition no saved worker had a state for was not begun: its pass's start.
+        mine = {p: table.get(p, P.fresh_cursor(epoch)) for p in P.owned(parts, world, rank, k, wid)}
+        workers.append(S.WorkerPosition(0, done, {P.META_KEY: meta, **mine}, 0))
+    return dataclasses.replace(
+        rp,
+        consumed=0,
+        ahead=frozenset(),
+        workers=workers,
+        next_worker=0,
+        batch=shape.batch_size,
         source=None,
     )
 
