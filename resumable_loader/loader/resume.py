@@ -90,6 +90,9 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
     if D.is_global(state):
         states = D.split_global(state)
         world, rank = shape.config["world_size"], shape.config["rank"]
+        if _global_redeals(states, shape):
+            rp = _merged_ranks(states, shape)
+            return _checked(_redeal(rp, shape), None, shape, policy, notes, False)
         if (
             len(states) != world
             or shape.kind != DISTRIBUTED
@@ -326,6 +329,42 @@ def _redeals(rp: S.ResumePoint, shape: LoaderShape) -> bool:
         return False
     k = max(1, shape.config["num_workers"])
     return len(rp.workers) != k or not S.same_state(rp.batch, shape.batch_size)
+
+
+def _global_redeals(states: list[dict[str, Any]], shape: LoaderShape) -> bool:
+    """Whether a global state is a Stream's, taken on another world size, worker count or
+    batch size (on the same layout each rank continues its own entry, bit-identically)."""
+    first = states[0]
+    if not S.is_stream_record(first.get(S.K_DATASET), shape.data):
+        return False
+    cfg = first.get(S.K_CONFIG)
+    if not isinstance(cfg, dict):
+        return False  # the rank's own check names what is wrong
+    return (
+        len(states) != shape.config["world_size"]
+        or not S.same_state(cfg.get("num_workers"), shape.config["num_workers"])
+        or not _same_batch(first, shape)
+    )
+
+
+def _merged_ranks(states: list[dict[str, Any]], shape: LoaderShape) -> S.ResumePoint:
+    """Every rank's entry of a Stream's global state as one position whose workers are all
+    the job's readers (``_redeal`` then merges their cursors and deals this rank's).
+
+    Raises:
+        CheckpointError: an entry its own rank would refuse, or entries in different epochs.
+    """
+    points = _rank_points(states, shape)
+    for p in points:
+        D.settle(p)
+    epochs = {p.epoch for p in points}
+    if len(epochs) > 1:
+        raise CheckpointError(
+            f"cannot load DataLoader state: epoch: the ranks' entries of the global state are "
+            f"in epochs {[p.epoch for p in points]}; a job's ranks save in one epoch. The "
+            "state is damaged, or merged from states of different steps."
+        )
+    return dataclasses.replace(points[0], workers=[w for p in points for w in p.workers])
 
 
 def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:

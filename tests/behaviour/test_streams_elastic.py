@@ -5,14 +5,24 @@ run: every sample of each epoch exactly once, and each partition's rows in the s
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import _stream_shards as F
 import pytest
-from hypothesis import given, settings
+import torch
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from resumable_loader import CheckpointError, DataLoader, Stream, dump_state, load_state
+from resumable_loader import (
+    CheckpointError,
+    DataLoader,
+    Stream,
+    dump_state,
+    load_state,
+    merge_rank_states,
+)
 from resumable_loader.plans.streams import deal
 
 SHARDS = 16
@@ -143,3 +153,102 @@ def test_a_worker_state_that_lags_its_deliveries_is_refused_on_another_layout() 
     loader = DataLoader(_make(), batch_size=3, num_workers=1)
     with pytest.raises(CheckpointError, match=r"workers\[0\]\.state_at: .* Resume on that layout"):
         loader.load_state_dict(state)
+
+
+# ---- simulated ranks: torch.distributed's world as the Stream and the loader read it -------
+@contextlib.contextmanager
+def _as_rank(monkeypatch: pytest.MonkeyPatch, world: int, rank: int) -> Iterator[None]:
+    with monkeypatch.context() as m:
+        m.setattr(torch.distributed, "is_available", lambda: True)
+        m.setattr(torch.distributed, "is_initialized", lambda: True)
+        m.setattr(torch.distributed, "get_world_size", lambda *a, **k: world)
+        m.setattr(torch.distributed, "get_rank", lambda *a, **k: rank)
+        yield
+
+
+def _job_epoch0(
+    monkeypatch: pytest.MonkeyPatch,
+    world: int,
+    workers: int,
+    batch: int,
+    state: Any = None,
+    stop: int | None = None,
+) -> tuple[list[float], Any]:
+    """Epoch 0 on ``world`` simulated ranks run one after the other: the samples they
+    delivered, and (``stop``) the job's global state after each consumed ``stop`` batches (or
+    its whole share)."""
+    got: list[float] = []
+    states = []
+    ended = False
+    for r in range(world):
+        with _as_rank(monkeypatch, world, r):
+            loader = DataLoader(_make(), batch_size=batch, num_workers=workers)
+            if state is not None:
+                loader.load_state_dict(state)
+            for i, b in enumerate(loader, 1):
+                got += b.tolist()
+                if i == stop:
+                    break
+            states.append(load_state(dump_state(loader.state_dict())))
+            ended = ended or states[-1]["epoch"] != 0
+            del loader
+    # A rank past its share is in the next epoch while the others are not: equal batches on
+    # every rank (stage 3) is what keeps ranks in step; such a state is refused meanwhile.
+    return got, None if ended and stop is not None else merge_rank_states(states)
+
+
+@pytest.mark.parametrize(
+    ("saved", "now"),
+    [
+        ((2, 1, 3), (1, 0, 4)),
+        ((1, 2, 3), (4, 0, 2)),
+        ((4, 0, 2), (2, 2, 5)),
+        ((2, 2, 2), (8, 0, 1)),
+    ],
+)
+def test_a_global_state_resumes_on_other_ranks_workers_and_batch_size(
+    monkeypatch: pytest.MonkeyPatch, saved: tuple[int, int, int], now: tuple[int, int, int]
+) -> None:
+    ref = [(e, b) for e, b in _ref(0, 3) if e == 0]
+    for stop in (1, 3):
+        head, state = _job_epoch0(monkeypatch, *saved, stop=stop)
+        rest, _ = _job_epoch0(monkeypatch, *now, state=state)
+        run = [(0, head + rest)]
+        assert sorted(head + rest) == [x + 0.5 for x in F.all_samples(list(range(SHARDS)))]
+        assert _per_partition(run, 0) == _per_partition(ref, 0)
+
+
+def test_a_ranks_own_state_on_another_world_size_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _as_rank(monkeypatch, 2, 0):
+        _, state = _run(0, 3, stop=2)
+    with _as_rank(monkeypatch, 4, 0):
+        loader = DataLoader(_make(), batch_size=3)
+        with pytest.raises(CheckpointError, match=r"config\.world_size: the checkpoint has 2"):
+            loader.load_state_dict(state)
+
+
+_LAYOUTS = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([0, 0, 1, 2]), st.integers(1, 5))
+
+
+@given(
+    chain=st.lists(st.tuples(_LAYOUTS, st.integers(1, 2)), min_size=1, max_size=3), last=_LAYOUTS
+)
+@settings(max_examples=6, deadline=None)
+def test_chains_of_resizes_deliver_every_sample_once_in_partition_order(
+    chain: list[tuple[tuple[int, int, int], int]], last: tuple[int, int, int]
+) -> None:
+    """Epoch 0 through resizes of ranks, workers and batch size, each after a few batches."""
+    ref = [(e, b) for e, b in _ref(0, 3) if e == 0]
+    got: list[float] = []
+    state = None
+    with pytest.MonkeyPatch.context() as mp:
+        for layout, stop in chain:
+            more, state = _job_epoch0(mp, *layout, state=state, stop=stop)
+            assume(state is not None)
+            got += more
+        more, _ = _job_epoch0(mp, *last, state=state)
+    got += more
+    assert sorted(got) == [x + 0.5 for x in F.all_samples(list(range(SHARDS)))]
+    assert _per_partition([(0, got)], 0) == _per_partition(ref, 0)
