@@ -252,3 +252,13 @@ def test_chains_of_resizes_deliver_every_sample_once_in_partition_order(
     got += more
     assert sorted(got) == [x + 0.5 for x in F.all_samples(list(range(SHARDS)))]
     assert _per_partition([(0, got)], 0) == _per_partition(ref, 0)
+
+
+def test_readers_that_do_not_divide_the_partitions_are_refused_by_iter_in_the_main_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with _as_rank(monkeypatch, 3, 0):
+        loader = DataLoader(_make(), batch_size=3, num_workers=2)
+        with pytest.raises(ValueError, match=r"3 ranks x 2 workers = 6 readers") as e:
+            iter(loader)
+    assert "Traceback" not in str(e.value)  # raised here, not re-raised from a worker
