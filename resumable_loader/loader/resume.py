@@ -406,6 +406,15 @@ def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
         )
     world, rank = shape.config["world_size"], shape.config["rank"]
     k = max(1, shape.config["num_workers"])
+    for p, c in table.items():
+        # The Stream checks each cursor's fields when it loads them (in the worker); a key
+        # outside the partitions would be dealt to no reader, its rows silently lost.
+        if type(p) is not int or not 0 <= p < parts or not isinstance(c, list):
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_WORKERS}[].dataset_state: key "
+                f"{clip_text(repr(p), 40)} is not a partition in 0..{parts - 1} with a cursor "
+                "(a list of ints). The state is damaged."
+            )
     try:
         P.check_layout(parts, world, k)
     except ValueError as e:

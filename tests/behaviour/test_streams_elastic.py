@@ -262,3 +262,12 @@ def test_readers_that_do_not_divide_the_partitions_are_refused_by_iter_in_the_ma
         with pytest.raises(ValueError, match=r"3 ranks x 2 workers = 6 readers") as e:
             iter(loader)
     assert "Traceback" not in str(e.value)  # raised here, not re-raised from a worker
+
+
+def test_a_cursor_of_no_partition_is_refused_when_re_dealt() -> None:
+    _, state = _run(2, 3, stop=4)
+    ds = state["workers"][0]["dataset_state"]
+    ds[PARTITIONS + 3] = ds.pop(next(p for p in ds if p != "stream"))
+    loader = DataLoader(_make(), batch_size=3, num_workers=1)
+    with pytest.raises(CheckpointError, match=r"key 11 is not a partition in 0\.\.7"):
+        loader.load_state_dict(state)
