@@ -6,13 +6,14 @@ loader), calls ``plan_resume(state, shape, policy)``, and hands the plan to the 
 shape only: it validates the state (``state.schema``), settles or re-cuts the position for
 this loader's batch size and world size (``state.ranks``, ``state.cursor``), checks that the
 position fits an epoch of this loader, and validates and builds a ``Mixture``'s plan without
-installing it (``plans.mixture.plan_load``). Everything that can refuse the state happens
-here, before anything is changed: a refused state leaves the loader as it was by
-construction.
+installing it (``plans.mixture.plan_load``); a ``Stream``'s state on another layout is
+re-dealt (its partition cursors merged and dealt to this loader's workers). Everything that
+can refuse the state happens here, before anything is changed: a refused state leaves the
+loader as it was by construction.
 
     state ──► parse (schema.parse_state, or ranks.split_global + recut)
           ──► data check (fingerprint changes; a Mixture's plan_changes)
-          ──► re-batch (another batch size: a sample cut) ──► fits an epoch?
+          ──► re-batch (another batch size: a sample cut; a Stream: the re-deal) ──► fits?
           ──► Mixture plan load (pure half) ──► ResumePlan ──► DataLoader._apply
 """
 
