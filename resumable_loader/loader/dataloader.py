@@ -228,6 +228,8 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Any:
         if self._closed:
             raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
+        if isinstance(self.dataset, Stream):
+            self.dataset.check_readers(self.num_workers)  # here, not in a worker
         # torch's meaning of iter(): a new epoch, also after an abandoned one; a state given
         # to load_state_dict() is continued instead.
         rp, self._resume = self._resume, None

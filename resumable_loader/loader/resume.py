@@ -6,13 +6,14 @@ loader), calls ``plan_resume(state, shape, policy)``, and hands the plan to the 
 shape only: it validates the state (``state.schema``), settles or re-cuts the position for
 this loader's batch size and world size (``state.ranks``, ``state.cursor``), checks that the
 position fits an epoch of this loader, and validates and builds a ``Mixture``'s plan without
-installing it (``plans.mixture.plan_load``). Everything that can refuse the state happens
-here, before anything is changed: a refused state leaves the loader as it was by
-construction.
+installing it (``plans.mixture.plan_load``); a ``Stream``'s state on another layout is
+re-dealt (its partition cursors merged and dealt to this loader's workers). Everything that
+can refuse the state happens here, before anything is changed: a refused state leaves the
+loader as it was by construction.
 
     state ──► parse (schema.parse_state, or ranks.split_global + recut)
           ──► data check (fingerprint changes; a Mixture's plan_changes)
-          ──► re-batch (another batch size: a sample cut) ──► fits an epoch?
+          ──► re-batch (another batch size: a sample cut; a Stream: the re-deal) ──► fits?
           ──► Mixture plan load (pure half) ──► ResumePlan ──► DataLoader._apply
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 from torch.utils.data import SequentialSampler
 
 from ..core.errors import CheckpointError
+from ..plans import streams as P
 from ..plans.index_plan import BUILTIN, DISTRIBUTED, FASTFORWARD, STATEFUL
 from ..plans.mixture import plan_changes, plan_load
 from ..plans.mixture_state import PlanLoad, RestAt
@@ -89,6 +91,9 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
     if D.is_global(state):
         states = D.split_global(state)
         world, rank = shape.config["world_size"], shape.config["rank"]
+        if _global_redeals(states, shape):
+            rp = _merged_ranks(states, shape)
+            return _checked(_redeal(rp, shape), None, shape, policy, notes, False)
         if (
             len(states) != world
             or shape.kind != DISTRIBUTED
@@ -106,6 +111,8 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
         state, shape.config, shape.kind == STATEFUL, dataset=shape.data, dataset_change_ok=True
     )
     D.settle(rp)
+    if _redeals(rp, shape):
+        return _checked(_redeal(rp, shape), None, shape, policy, notes, False)
     same = _same_batch(state, shape) and (rp.cut is None or shape.kind == BUILTIN)
     return _checked(rp, state, shape, policy, notes, not same)
 
@@ -307,6 +314,125 @@ def _rebatch(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
         consumed=0,
         ahead=frozenset(),
         batch=mine,
+        source=None,
+    )
+
+
+# ---- a Stream on another layout: the re-deal ------------------------------------------------
+# A Stream's position is one cursor per partition, and a reader's output depends only on its
+# partitions' cursors (docs/streams.md). So a state saved by K workers with batch size b
+# continues on K' workers with b': merge every worker's cursors into one table, and give each
+# new worker its own partitions' cursors. Batches then differ from the uninterrupted run's;
+# each partition's rows do not.
+def _redeals(rp: S.ResumePoint, shape: LoaderShape) -> bool:
+    """Whether ``rp`` is a Stream's position taken on another worker count or batch size."""
+    if not rp.iterable or not S.is_stream_record(rp.dataset, shape.data):
+        return False
+    k = max(1, shape.config["num_workers"])
+    return len(rp.workers) != k or not S.same_state(rp.batch, shape.batch_size)
+
+
+def _global_redeals(states: list[dict[str, Any]], shape: LoaderShape) -> bool:
+    """Whether a global state is a Stream's, taken on another world size, worker count or
+    batch size (on the same layout each rank continues its own entry, bit-identically)."""
+    first = states[0]
+    if not S.is_stream_record(first.get(S.K_DATASET), shape.data):
+        return False
+    cfg = first.get(S.K_CONFIG)
+    if not isinstance(cfg, dict):
+        return False  # the rank's own check names what is wrong
+    return (
+        len(states) != shape.config["world_size"]
+        or not S.same_state(cfg.get("num_workers"), shape.config["num_workers"])
+        or not _same_batch(first, shape)
+    )
+
+
+def _merged_ranks(states: list[dict[str, Any]], shape: LoaderShape) -> S.ResumePoint:
+    """Every rank's entry of a Stream's global state as one position whose workers are all
+    the job's readers (``_redeal`` then merges their cursors and deals this rank's).
+
+    Raises:
+        CheckpointError: an entry its own rank would refuse, or entries in different epochs.
+    """
+    points = _rank_points(states, shape)
+    for p in points:
+        D.settle(p)
+    epochs = {p.epoch for p in points}
+    if len(epochs) > 1:
+        raise CheckpointError(
+            f"cannot load DataLoader state: epoch: the ranks' entries of the global state are "
+            f"in epochs {[p.epoch for p in points]}; a job's ranks save in one epoch. The "
+            "state is damaged, or merged from states of different steps."
+        )
+    return dataclasses.replace(points[0], workers=[w for p in points for w in p.workers])
+
+
+def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
+    """The position of a Stream's state, re-dealt to this loader's workers.
+
+    Raises:
+        CheckpointError: a worker's state lags what it delivered (a replay, which only the
+            saving layout can do), a partition in two workers' states, or a layout whose
+            readers do not divide the partitions.
+    """
+    metas, tables = [], []
+    for i, w in enumerate(rp.workers):
+        st = w.dataset_state
+        if w.delivered and (st is None or w.state_at != w.delivered):
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_WORKERS}[{i}].state_at: worker {i}'s "
+                f"Stream state is from fetch {w.state_at if st is not None else 0} of the "
+                f"{w.delivered} it delivered, so only a replay on the saving layout "
+                "(num_workers, batch_size) reaches its position. Resume on that layout."
+            )
+        if st is None:
+            continue
+        if not isinstance(st, dict) or not isinstance(st.get(P.META_KEY), dict):
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_WORKERS}[{i}].dataset_state: not a "
+                f"Stream's state (no {P.META_KEY!r} key). The state is damaged."
+            )
+        metas.append(st[P.META_KEY])
+        tables.append({p: c for p, c in st.items() if p != P.META_KEY})
+    if not metas:
+        return dataclasses.replace(rp, batch=shape.batch_size, source=None)
+    meta = metas[0]
+    table = P.merge_cursors(tables)
+    parts, epoch = meta.get("partitions"), meta.get("epoch")
+    if type(parts) is not int or parts < 1 or type(epoch) is not int or epoch < 0:
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_WORKERS}[].dataset_state: stream.partitions "
+            f"and stream.epoch must be ints, got {parts!r} and {epoch!r}. The state is damaged."
+        )
+    world, rank = shape.config["world_size"], shape.config["rank"]
+    k = max(1, shape.config["num_workers"])
+    for p, c in table.items():
+        # The Stream checks each cursor's fields when it loads them (in the worker); a key
+        # outside the partitions would be dealt to no reader, its rows silently lost.
+        if type(p) is not int or not 0 <= p < parts or not isinstance(c, list):
+            raise CheckpointError(
+                f"cannot load DataLoader state: {S.K_WORKERS}[].dataset_state: key "
+                f"{clip_text(repr(p), 40)} is not a partition in 0..{parts - 1} with a cursor "
+                "(a list of ints). The state is damaged."
+            )
+    try:
+        P.check_layout(parts, world, k)
+    except ValueError as e:
+        raise CheckpointError(f"cannot load DataLoader state: {e}") from None
+    done = all(w.exhausted for w in rp.workers)
+    workers = []
+    for wid in range(k):
+        # A partition no saved worker had a state for was not begun: its pass's start.
+        mine = {p: table.get(p, P.fresh_cursor(epoch)) for p in P.owned(parts, world, rank, k, wid)}
+        workers.append(S.WorkerPosition(0, done, {P.META_KEY: meta, **mine}, 0))
+    return dataclasses.replace(
+        rp,
+        consumed=0,
+        ahead=frozenset(),
+        workers=workers,
+        next_worker=0,
+        batch=shape.batch_size,
         source=None,
     )
 

@@ -175,6 +175,17 @@ class Stream(IterableDataset):
         """The number of partitions (fixed at the first run; a loaded state sets it)."""
         return self._partitions
 
+    def check_readers(self, num_workers: int) -> None:
+        """Refuse a loader whose readers (ranks x ``max(num_workers, 1)``) do not divide the
+        partitions. Our DataLoader calls it at ``iter()`` in the main process, so that the
+        error is raised there before any worker starts.
+
+        Raises:
+            ValueError: naming the valid reader counts (``plans.streams.check_layout``).
+        """
+        world, _ = _world()
+        S.check_layout(self._partitions, world, num_workers)
+
     def pipeline(self) -> list[str]:
         """The stages, by name: ``["read", "map:tokenize", "filter:<lambda>"]``."""
         return ["read"] + [_stage_name(kind, fn) for kind, fn in self._stages]

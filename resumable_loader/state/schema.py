@@ -406,7 +406,8 @@ def parse_state(
     """
     if isinstance(sd, dict):
         _check_nesting(sd)
-    _check_header(sd, config)
+    elastic = _elastic_stream(sd, dataset)
+    _check_header(sd, config, elastic)
     saved = _read_dataset(sd)
     changes = F.changes(saved, sd[K_CONFIG].get("dataset_len"), dataset, config["dataset_len"])
     if changes and not dataset_change_ok:
@@ -446,7 +447,10 @@ def parse_state(
                 "the state is damaged",
             )
     if fields["iterable"]:
-        fields |= _read_workers(sd, max(1, config["num_workers"]))
+        # A Stream's state is re-dealt to this loader's workers (``loader.resume``): its
+        # entries are read as the saving loader's, however many there were.
+        n = sd[K_CONFIG]["num_workers"] if elastic else config["num_workers"]
+        fields |= _read_workers(sd, max(1, n))
         _check_stream_consumed(consumed, fields["workers"])
     if str(config["sampler"]).startswith("distributed("):
         fields |= _read_distributed(sd)
@@ -667,8 +671,30 @@ def _read_distributed(sd: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _check_header(sd: Any, config: dict[str, Any]) -> None:
-    """What the state is, its version, and the configuration it was taken with."""
+# The dataset record's class of a ``resumable_loader.Stream`` (``state.fingerprint.record``).
+STREAM_CLASS = "Stream"
+
+
+def is_stream_record(saved: Any, dataset: dict[str, Any] | None) -> bool:
+    """Whether the saved dataset record and the loader's are both a Stream's."""
+    return (
+        isinstance(saved, dict)
+        and saved.get(F.K_CLASS) == STREAM_CLASS
+        and dataset is not None
+        and dataset.get(F.K_CLASS) == STREAM_CLASS
+    )
+
+
+def _elastic_stream(sd: Any, dataset: dict[str, Any] | None) -> bool:
+    """Whether ``sd`` is a Stream's state loaded into a loader over a Stream: its position is
+    one cursor per partition, which any number of workers and any batch size continue (the
+    re-deal, ``loader.resume``), so neither has to match."""
+    return is_stream_record(sd.get(K_DATASET) if isinstance(sd, dict) else None, dataset)
+
+
+def _check_header(sd: Any, config: dict[str, Any], elastic: bool = False) -> None:
+    """What the state is, its version, and the configuration it was taken with (``elastic``:
+    a Stream's state, whose worker count and batch size may differ)."""
     if not isinstance(sd, dict):
         raise CheckpointError(
             f"cannot load DataLoader state: expected a dict, got {type(sd).__name__}. Pass the "
@@ -724,7 +750,7 @@ def _check_header(sd: Any, config: dict[str, Any]) -> None:
             "the state is damaged",
         )
     fields = list(MUST_MATCH)
-    if config["dataset_kind"] == "iterable":
+    if config["dataset_kind"] == "iterable" and not elastic:
         fields += ["batch_size", "num_workers"]
     for name in fields:
         theirs = cfg.get(name)
