@@ -43,6 +43,22 @@ def fds_to_close() -> list[int]:
 
 
 # ---- signal hooks --------------------------------------------------------------------------------
+def _uninstall(hook: Any, signum: int) -> None:
+    """Put back the handler ``hook`` replaced for ``signum`` -- only from the main thread, and
+    only if ours is still the one installed (a handler set after ours stays). Called with
+    ``hook.lock`` held."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signum) == hook._handler:
+            prev = hook.previous
+            signal.signal(signum, prev if prev is not None else signal.SIG_DFL)
+        hook.installed = False
+        hook.previous = None
+    except (ValueError, OSError):
+        pass
+
+
 class ChildSignal:
     """The process-wide SIGCHLD hook shared by all supervisors.
 
@@ -87,16 +103,7 @@ class ChildSignal:
             cls.wake_fds.discard(fd)
             if not cls.installed or cls.wake_fds:
                 return
-            if threading.current_thread() is not threading.main_thread():
-                return
-            try:
-                if signal.getsignal(signal.SIGCHLD) == cls._handler:
-                    prev = cls.previous
-                    signal.signal(signal.SIGCHLD, prev if prev is not None else signal.SIG_DFL)
-                cls.installed = False
-                cls.previous = None
-            except (ValueError, OSError):
-                pass
+            _uninstall(cls, signal.SIGCHLD)
 
 
 class Continued:
@@ -141,13 +148,4 @@ class Continued:
             cls.users = max(0, cls.users - 1)
             if not cls.installed or cls.users:
                 return
-            if threading.current_thread() is not threading.main_thread():
-                return
-            try:
-                if signal.getsignal(signal.SIGCONT) == cls._handler:
-                    prev = cls.previous
-                    signal.signal(signal.SIGCONT, prev if prev is not None else signal.SIG_DFL)
-                cls.installed = False
-                cls.previous = None
-            except (ValueError, OSError):
-                pass
+            _uninstall(cls, signal.SIGCONT)
