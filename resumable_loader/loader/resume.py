@@ -399,11 +399,16 @@ def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
         return dataclasses.replace(rp, batch=shape.batch_size, source=None)
     meta = metas[0]
     table = P.merge_cursors(tables)
-    parts, epoch = meta.get("partitions"), meta.get("epoch")
+    parts, epoch, fields = meta.get("partitions"), meta.get("epoch"), meta.get("fields")
     if type(parts) is not int or parts < 1 or type(epoch) is not int or epoch < 0:
         raise CheckpointError(
             f"cannot load DataLoader state: {S.K_WORKERS}[].dataset_state: stream.partitions "
             f"and stream.epoch must be ints, got {parts!r} and {epoch!r}. The state is damaged."
+        )
+    if not isinstance(fields, list) or len(fields) <= len(P.HEAD_FIELDS):
+        raise CheckpointError(
+            f"cannot load DataLoader state: {S.K_WORKERS}[].dataset_state: stream.fields must "
+            f"name a cursor's fields, got {clip_text(repr(fields), 80)}. The state is damaged."
         )
     world, rank = shape.config["world_size"], shape.config["rank"]
     k = max(1, shape.config["num_workers"])
@@ -424,7 +429,8 @@ def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
     workers = []
     for wid in range(k):
         # A partition no saved worker had a state for was not begun: its pass's start.
-        mine = {p: table.get(p, P.fresh_cursor(epoch)) for p in P.owned(parts, world, rank, k, wid)}
+        fresh = P.fresh_cursor(epoch, len(fields))
+        mine = {p: table.get(p) or list(fresh) for p in P.owned(parts, world, rank, k, wid)}
         workers.append(S.WorkerPosition(0, done, {P.META_KEY: meta, **mine}, 0))
     return dataclasses.replace(
         rp,

@@ -25,13 +25,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..core.errors import CheckpointError
+from . import stream_nodes as N
 from . import streams as S
 
 __all__ = ["Stream"]
-
-_MAP = "map"
-_FILTER = "filter"
-_END = object()  # a partition's pass has no further row
 
 
 def _takes_start(read: Callable[..., Any]) -> bool:
@@ -48,10 +45,6 @@ def _takes_start(read: Callable[..., Any]) -> bool:
         if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
             positional += 1
     return positional >= 2
-
-
-def _stage_name(kind: str, fn: Callable[..., Any]) -> str:
-    return f"{kind}:{getattr(fn, '__qualname__', None) or type(fn).__name__}"
 
 
 def _world() -> tuple[int, int]:
@@ -87,7 +80,7 @@ class Stream(IterableDataset):
     _explicit: int | None
     _partitions: int
     _digest: str
-    _stages: tuple[tuple[str, Callable[..., Any]], ...]
+    _stages: tuple[N.Stage, ...]
 
     def __init__(self) -> None:
         raise TypeError("build a Stream with Stream.from_shards(shards, read, ...)")
@@ -150,23 +143,26 @@ class Stream(IterableDataset):
         self._stats = {"opens": 0, "seeks": 0, "skipped": 0}
         self._warned = False
 
-    def _with(self, kind: str, fn: Callable[..., Any]) -> Stream:
-        if not callable(fn):
-            raise TypeError(f"{kind}() needs a callable, got {fn!r}")
+    def _with(self, stage: N.Stage) -> Stream:
+        """A new Stream with ``stage`` appended (each stage module's builder method calls it)."""
         new = type(self).__new__(type(self))
         new.__dict__.update(self.__dict__)
-        new._stages = (*self._stages, (kind, fn))
+        new._stages = (*self._stages, stage)
         new._reset_runtime()
         return new
 
     def map(self, fn: Callable[[Any], Any]) -> Stream:
         """A new Stream whose samples are ``fn(sample)`` (deterministic per sample)."""
-        return self._with(_MAP, fn)
+        if not callable(fn):
+            raise TypeError(f"map() needs a callable, got {fn!r}")
+        return self._with(N.MapStage(fn))
 
     def filter(self, fn: Callable[[Any], bool]) -> Stream:
         """A new Stream keeping the samples for which ``fn(sample)`` is true. Its position
         counts input samples, so a resume never reads a dropped sample again."""
-        return self._with(_FILTER, fn)
+        if not callable(fn):
+            raise TypeError(f"filter() needs a callable, got {fn!r}")
+        return self._with(N.FilterStage(fn))
 
     # ---- what it is ----
 
@@ -188,7 +184,29 @@ class Stream(IterableDataset):
 
     def pipeline(self) -> list[str]:
         """The stages, by name: ``["read", "map:tokenize", "filter:<lambda>"]``."""
-        return ["read"] + [_stage_name(kind, fn) for kind, fn in self._stages]
+        return ["read"] + [stage.name for stage in self._stages]
+
+    def cursor_fields(self) -> tuple[str, ...]:
+        """The names of a partition cursor's ints: the reader's head, then the chain's
+        position (the source's, then each stage's own)."""
+        fields: tuple[str, ...] = N.SOURCE_FIELDS
+        for stage in self._stages:
+            fields = stage.fields(fields)
+        return (*S.HEAD_FIELDS, *fields)
+
+    def _chain(self, partition: int, epoch: int) -> N.Node:
+        """Partition ``partition``'s chain for pass ``epoch``, at the pass's start."""
+        keys = [
+            self._shards[i]
+            for i in S.deal_one(
+                self._seed, epoch, len(self._shards), self._partitions, self._shuffle, partition
+            )
+        ]
+        node: N.Node = N.Source(keys, self._open)
+        ctx = N.Context(self._seed, epoch, partition)
+        for stage in self._stages:
+            node = stage.build(node, ctx)
+        return node
 
     def fingerprint(self) -> str:
         """The shard list's digest: a loader state records it and refuses another list."""
@@ -217,6 +235,7 @@ class Stream(IterableDataset):
             len(self._shards),
             self._digest,
             tuple(self.pipeline()),
+            self.cursor_fields(),
         )
 
     def state_dict(self) -> dict[Any, Any]:
@@ -242,6 +261,7 @@ class Stream(IterableDataset):
             shard_count=len(self._shards),
             digest=self._digest,
             partitions=self._explicit,
+            fields=self.cursor_fields(),
         )
         self._seed = meta.seed
         self._shuffle = meta.shuffle_shards
@@ -263,8 +283,10 @@ class Stream(IterableDataset):
         self, parts: list[int], loaded: dict[int, list[int]] | None, epoch: int
     ) -> dict[int, list[int]]:
         """The starting cursor of each partition a reader owns: its loaded cursor if that is
-        in this pass, else the pass's start."""
+        in this pass, or in an earlier pass it has not finished (a carry: those rows come
+        first), else the pass's start."""
         out = {}
+        width = len(self.cursor_fields())
         for p in parts:
             c = loaded.get(p) if loaded is not None else None
             if loaded is not None and c is None:
@@ -273,7 +295,10 @@ class Stream(IterableDataset):
                     f"state it loaded (which holds partitions {sorted(loaded)}); load the state "
                     "this reader saved, on the same layout"
                 )
-            out[p] = list(c) if c is not None and c[S.PASS] == epoch else S.fresh_cursor(epoch)
+            if c is not None and (c[S.PASS] == epoch or (c[S.PASS] < epoch and not c[S.DONE])):
+                out[p] = list(c)
+            else:
+                out[p] = S.fresh_cursor(epoch, width)
         return out
 
     # ---- reading ----
@@ -327,7 +352,8 @@ class Stream(IterableDataset):
 
 class _Reader:
     """One reader's partitions, drawn in canonical order; an iterator (not a generator), so a
-    read error leaves it usable: the failing shard is reopened at its cursor on the next pull."""
+    read error leaves it usable: the failing partition's chain is thrown away and rebuilt from
+    its cursor (the position after its last row) on the next pull."""
 
     def __init__(
         self, stream: Stream, parts: list[int], cursors: dict[int, list[int]], epoch: int
@@ -337,90 +363,75 @@ class _Reader:
         self.epoch = epoch
         self.closed = False
         self.started = False  # yielded a row: a later load_state_dict is for the next iter()
-        st = stream
-        self.shards = {
-            p: S.deal_one(st._seed, epoch, len(st._shards), st._partitions, st._shuffle, p)
-            for p in parts
-        }
+        self.width = len(stream.cursor_fields())
         self.cursors: dict[int, list[int]] = {}
         self.heap: list[tuple[int, int, int]] = []
-        self.its: dict[int, Iterator[Any]] = {}
+        self.chains: dict[int, N.Node] = {}
         self.restore(cursors)
 
     def restore(self, cursors: dict[int, list[int]]) -> None:
-        self.its.clear()
+        self._drop_all()
         self.cursors = cursors
+        # A cursor in an earlier pass it has not finished (a carry) sorts first: its rows come
+        # before this pass's.
         self.heap = [
             (c[S.PASS], c[S.ROWS], p)
             for p, c in cursors.items()
-            if not c[S.DONE] and c[S.PASS] == self.epoch
+            if not c[S.DONE] and c[S.PASS] <= self.epoch
         ]
         heapq.heapify(self.heap)
 
+    def _drop(self, p: int) -> None:
+        chain = self.chains.pop(p, None)
+        if chain is not None:
+            chain.close()
+
+    def _drop_all(self) -> None:
+        for p in list(self.chains):
+            self._drop(p)
+
     def close(self) -> None:
         self.closed = True
-        self.its.clear()
+        self._drop_all()
 
     def __iter__(self) -> _Reader:
         return self
 
     def __next__(self) -> Any:
         heap = self.heap
+        cursors = self.cursors
+        head = len(S.HEAD_FIELDS)
         while heap:
             e, k, p = heap[0]
-            item = self._pull(p)
-            c = self.cursors[p]
-            if item is _END:
-                c[S.DONE] = 1
-                self.its.pop(p, None)
-                heapq.heappop(heap)
+            c = cursors[p]
+            chain = self.chains.get(p)
+            if chain is None:
+                chain = self.chains[p] = self.stream._chain(p, e)
+                chain.seek(c[head:])
+            try:
+                item = chain.pull()
+            except BaseException:
+                # The cursor still holds the position after the last row: the next pull
+                # rebuilds the chain there, so nothing is lost or repeated.
+                self._drop(p)
+                raise
+            if item is N.END:
+                self._drop(p)
+                if e < self.epoch:
+                    # A carried pass is finished: the partition goes on with this pass.
+                    cursors[p] = S.fresh_cursor(self.epoch, self.width)
+                    heapq.heapreplace(heap, (self.epoch, 0, p))
+                else:
+                    c[S.DONE] = 1
+                    heapq.heappop(heap)
                 continue
             c[S.ROWS] = k + 1
+            c[head:] = chain.position()
             heapq.heapreplace(heap, (e, k + 1, p))
+            if c[S.SKIP]:
+                c[S.SKIP] -= 1  # a row skip_samples moved past: drawn, not delivered
+                continue
             self.started = True
             return item
         self.close()
         raise StopIteration
-
-    def _pull(self, p: int) -> Any:
-        """Partition ``p``'s next row; its cursor moves past every input sample it consumed."""
-        c = self.cursors[p]
-        shards = self.shards[p]
-        stages = self.stream._stages
-        while True:
-            it = self.its.get(p)
-            if it is None:
-                if c[S.SHARD_I] >= len(shards):
-                    return _END
-                shard = self.stream._shards[shards[c[S.SHARD_I]]]
-                it = self.its[p] = self.stream._open(shard, c[S.OFFSET])
-            try:
-                sample = next(it)
-            except StopIteration:
-                self.its.pop(p, None)
-                c[S.SHARD_I] += 1
-                c[S.OFFSET] = 0
-                continue
-            except BaseException:
-                # The cursor has not moved: the next pull reopens the shard at it.
-                self.its.pop(p, None)
-                raise
-            c[S.OFFSET] += 1
-            c[S.SRC] += 1
-            try:
-                kept = True
-                for kind, fn in stages:
-                    if kind == _MAP:
-                        sample = fn(sample)
-                    elif not fn(sample):
-                        kept = False
-                        break
-            except BaseException:
-                # This sample was not consumed: step back, so a retry reads it again.
-                c[S.OFFSET] -= 1
-                c[S.SRC] -= 1
-                self.its.pop(p, None)
-                raise
-            if kept:
-                return sample
-            c[S.FILTERED] += 1

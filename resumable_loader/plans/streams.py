@@ -29,6 +29,7 @@ from .interleave import pass_keys, permute
 
 __all__ = [
     "CURSOR_FIELDS",
+    "HEAD_FIELDS",
     "STATE_KIND",
     "STATE_VERSION",
     "StreamMeta",
@@ -50,16 +51,23 @@ STATE_KIND = "resumable_loader.Stream"
 STATE_VERSION = 1
 META_KEY = "stream"  # the state's one non-partition key; the others are partition ids
 
-# A partition's cursor: one list of ints, in this order. Positions only -- never samples:
+# A partition's cursor: one list of ints, positions only -- never samples. Its head is the
+# reader's, the same for every pipeline:
 #   pass     the partition's pass (its own epoch)
 #   done     1 once pass `pass` was drawn to its end
-#   rows     rows delivered from this pass (the key of the canonical order)
-#   shard_i  index into deal(pass)[p] of the shard being read
-#   offset   the next sample of that shard (what read(shard, offset) starts at)
-#   src      source samples read in this pass up to the cursor
-#   filtered of those, the ones a filter dropped (accounting)
-CURSOR_FIELDS = ("pass", "done", "rows", "shard_i", "offset", "src", "filtered")
-PASS, DONE, ROWS, SHARD_I, OFFSET, SRC, FILTERED = range(len(CURSOR_FIELDS))
+#   rows     rows drawn from this pass (the key of the canonical order; skipped rows count)
+#   skip     rows still to be drawn and discarded before the next delivered one (skip_samples)
+# and its tail is the partition chain's position (``plans/stream_nodes.py``): the source's
+# ``shard_i`` (index into deal(pass)[p]), ``offset`` (the next sample of that shard) and
+# ``src`` (source samples read in this pass), then each stage's own fields (a filter's
+# ``filtered`` count, a shuffle's window, a packer's carry). The state's ``stream.fields``
+# names them all; a position at a pass's start is all zeros.
+HEAD_FIELDS = ("pass", "done", "rows", "skip")
+PASS, DONE, ROWS, SKIP = range(len(HEAD_FIELDS))
+SHARD_I = len(HEAD_FIELDS)  # the source's fields come first in every chain over shards
+OFFSET, SRC = SHARD_I + 1, SHARD_I + 2
+# The fields of a Stream with no stage after the read (kept for tests and tools).
+CURSOR_FIELDS = (*HEAD_FIELDS, "shard_i", "offset", "src")
 
 # At least this many shards per partition by default: partitions of equal-sized shards then
 # differ in length by at most about 1/8.
@@ -198,9 +206,10 @@ def canonical_order(rows: dict[int, int], start: dict[int, int] | None = None) -
 # ---- the state ----
 
 
-def fresh_cursor(epoch: int) -> list[int]:
-    """A partition's cursor at the start of pass ``epoch``."""
-    c = [0] * len(CURSOR_FIELDS)
+def fresh_cursor(epoch: int, width: int) -> list[int]:
+    """A partition's cursor of ``width`` ints at the start of pass ``epoch`` (every node's
+    position at a pass's start is zeros)."""
+    c = [0] * width
     c[PASS] = epoch
     return c
 
@@ -216,6 +225,7 @@ class StreamMeta:
     shard_count: int
     digest: str
     pipeline: tuple[str, ...]
+    fields: tuple[str, ...]
 
     def to_state(self, layout: dict[str, int]) -> dict[str, Any]:
         return {
@@ -227,7 +237,7 @@ class StreamMeta:
             "epoch": self.epoch,
             "shards": {"count": self.shard_count, "digest": self.digest},
             "pipeline": list(self.pipeline),
-            "fields": list(CURSOR_FIELDS),
+            "fields": list(self.fields),
             "layout": dict(layout),
         }
 
@@ -244,7 +254,9 @@ def _int(value: Any, where: str, low: int = 0) -> int:
     return value
 
 
-def _parse_meta(meta: Any, shard_count: int, digest: str, partitions: int | None) -> StreamMeta:
+def _parse_meta(
+    meta: Any, shard_count: int, digest: str, partitions: int | None, fields: tuple[str, ...]
+) -> StreamMeta:
     kind = _field(meta, "kind", "stream.")
     if kind != STATE_KIND:
         raise CheckpointError(f"Stream state: stream.kind is {kind!r}, expected {STATE_KIND!r}")
@@ -278,10 +290,13 @@ def _parse_meta(meta: Any, shard_count: int, digest: str, partitions: int | None
         raise CheckpointError(
             f"Stream state: stream.partitions {p_saved} exceeds the {shard_count} shards"
         )
-    fields = _field(meta, "fields", "stream.")
-    if list(fields) != list(CURSOR_FIELDS):
+    saved_fields = _field(meta, "fields", "stream.")
+    if not isinstance(saved_fields, list) or saved_fields != list(fields):
         raise CheckpointError(
-            f"Stream state: stream.fields {fields!r} are not this version's {list(CURSOR_FIELDS)}"
+            f"Stream state: stream.fields {saved_fields!r} are not this Stream's "
+            f"{list(fields)}: the state was taken with another pipeline (its stages decide "
+            "the cursor's fields); resume with the checkpoint's pipeline, or start the next "
+            "epoch afresh"
         )
     seed = _field(meta, "seed", "stream.")
     if type(seed) is not int:
@@ -295,7 +310,9 @@ def _parse_meta(meta: Any, shard_count: int, digest: str, partitions: int | None
     pipeline = _field(meta, "pipeline", "stream.")
     if not isinstance(pipeline, list) or not all(isinstance(s, str) for s in pipeline):
         raise CheckpointError("Stream state: stream.pipeline must be a list of str")
-    return StreamMeta(seed, p_saved, shuffle, epoch, count, saved_digest, tuple(pipeline))
+    return StreamMeta(
+        seed, p_saved, shuffle, epoch, count, saved_digest, tuple(pipeline), tuple(fields)
+    )
 
 
 def _parse_cursor(key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any]) -> list[int]:
@@ -305,12 +322,13 @@ def _parse_cursor(key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any])
             f"0..{meta.partitions - 1}"
         )
     where = f"partition {key}"
-    if not isinstance(value, (list, tuple)) or len(value) != len(CURSOR_FIELDS):
+    fields = meta.fields
+    if not isinstance(value, (list, tuple)) or len(value) != len(fields):
         raise CheckpointError(
-            f"Stream state: {where} must be a list of {len(CURSOR_FIELDS)} ints "
-            f"{list(CURSOR_FIELDS)}, got {value!r}"
+            f"Stream state: {where} must be a list of {len(fields)} ints {list(fields)}, "
+            f"got {value!r}"
         )
-    c = [_int(v, f"{where} field {f!r}") for f, v in zip(CURSOR_FIELDS, value)]
+    c = [_int(v, f"{where} field {f!r}") for f, v in zip(fields, value)]
     if c[DONE] > 1:
         raise CheckpointError(f"Stream state: {where} field 'done' must be 0 or 1")
     if c[PASS] > meta.epoch:
@@ -332,9 +350,10 @@ def _parse_cursor(key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any])
             f"Stream state: {where} field 'shard_i' is {c[SHARD_I]}, but the partition "
             f"reads {n[key]} shards in pass {c[PASS]}"
         )
-    if c[FILTERED] > c[SRC] or c[ROWS] > c[SRC]:
+    if c[OFFSET] > c[SRC]:
         raise CheckpointError(
-            f"Stream state: {where} counts more rows or filtered samples than samples read"
+            f"Stream state: {where} field 'offset' is {c[OFFSET]}, more than the {c[SRC]} "
+            "source samples ('src') read in its pass"
         )
     return c
 
@@ -345,11 +364,13 @@ def parse_state(
     shard_count: int,
     digest: str,
     partitions: int | None,
+    fields: tuple[str, ...] = CURSOR_FIELDS,
 ) -> tuple[StreamMeta, dict[int, list[int]]]:
     """A saved Stream state checked against this Stream: its plan and its cursors.
 
     ``partitions=None``: the Stream was built without an explicit count and adopts the
-    state's. Cursors are checked field by field; ranges that need the deal (``shard_i``) are
+    state's. ``fields`` are this Stream's cursor fields (its pipeline's); a state with others
+    is refused. Cursors are checked field by field; ranges that need the deal (``shard_i``) are
     checked against it.
 
     Raises:
@@ -359,7 +380,7 @@ def parse_state(
         raise CheckpointError(
             f"Stream state must be a dict (Stream.state_dict()), got {type(state).__name__}"
         )
-    meta = _parse_meta(_field(state, META_KEY, ""), shard_count, digest, partitions)
+    meta = _parse_meta(_field(state, META_KEY, ""), shard_count, digest, partitions, fields)
     deals: dict[int, Any] = {}
     cursors = {
         key: _parse_cursor(key, value, meta, deals)

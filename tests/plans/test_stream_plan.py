@@ -321,7 +321,7 @@ def _state() -> dict[Any, Any]:
         (lambda st: st[1].__setitem__(S.DONE, 2), r"'done' must be 0 or 1"),
         (lambda st: st[1].__setitem__(S.PASS, 4), r"after stream.epoch"),
         (lambda st: st[2].__setitem__(S.SHARD_I, 9), r"'shard_i' is 9"),
-        (lambda st: st[2].__setitem__(S.ROWS, 99), r"more rows"),
+        (lambda st: st[2].__setitem__(S.OFFSET, 99), r"'offset' is 99, more than"),
     ],
 )
 def test_a_malformed_state_is_refused_naming_the_field(mutate: Any, match: str) -> None:
@@ -366,3 +366,46 @@ def test_a_stream_pickles_without_its_live_reader() -> None:
     assert list(t) == list(_stream().map(F.plus_half))
     assert s.pipeline() == ["read", "map:plus_half"]
     assert s.fingerprint().startswith("stream:sha256:")
+
+
+# ---- carry and skip: the two head fields a loader sets ----
+
+
+def test_an_unfinished_earlier_pass_is_drawn_first_then_the_next_pass() -> None:
+    """A state whose cursors are inside pass 0, loaded for pass 1 (a rank's tail carried into
+    the next epoch): the rest of pass 0 comes first, in its own order, then all of pass 1 --
+    nothing of either pass lost or repeated."""
+    ref = _stream()
+    ref.set_epoch(0)
+    pass0 = list(ref)
+    ref.set_epoch(1)
+    pass1 = list(ref)
+    s = _stream()
+    it = iter(s)
+    for _ in range(7):
+        next(it)
+    state = s.state_dict()
+    again = _stream()
+    again.load_state_dict(state)
+    again.set_epoch(1)
+    assert list(again) == pass0[7:] + pass1
+
+
+def test_a_cursor_s_skip_rows_are_drawn_and_not_delivered() -> None:
+    """``skip`` in a cursor (what skip_samples writes): the partition's next ``skip`` rows are
+    taken in their canonical places and dropped; every other row comes as before."""
+    s = _stream()
+    expected = list(s)
+    state = _stream().state_dict()
+    fields = list(state["stream"]["fields"])
+    fresh = [0] * len(fields)
+    for p in range(4):
+        state[p] = list(fresh)
+    state[2][S.SKIP] = 3
+    again = _stream()
+    again.load_state_dict(state)
+    got = list(again)
+    p2 = set(S.deal_one(0, 0, 12, 4, True, 2))  # partition 2's shards in pass 0
+    first3 = [x for x in expected if x // 1000 in p2][:3]
+    assert got == [x for x in expected if x not in first3]
+    assert again.state_dict()[2][S.SKIP] == 0
