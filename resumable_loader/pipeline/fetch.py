@@ -406,7 +406,13 @@ class StreamFetcher:
         Only changed values travel to the main process; unchanged ones are compared as bytes
         here, in the worker, which has the time (it runs in parallel with the others).
         """
-        sd = self.holder.state_dict()
+        # A holder that knows what moved (Stream.state_dict_changes) hands only those keys,
+        # so a worker owning a thousand partitions does not copy and pickle them all per batch.
+        changes = getattr(self.holder, "state_dict_changes", None)
+        sd = changes() if callable(changes) else None
+        partial = isinstance(sd, dict)
+        if not partial:
+            sd = self.holder.state_dict()
         if not isinstance(sd, dict):
             sd = {None: sd}
         prev = self.prev_state
@@ -415,8 +421,9 @@ class StreamFetcher:
             blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             if prev.get(key) != blob:
                 delta[key] = blob
-        for key in prev.keys() - sd.keys():
-            delta[key] = b""  # removed key
+        if not partial:
+            for key in prev.keys() - sd.keys():
+                delta[key] = b""  # removed key
         if delta:
             prev.update(delta)
             for key in [k for k, v in delta.items() if v == b""]:

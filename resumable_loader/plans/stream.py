@@ -242,9 +242,33 @@ class Stream(IterableDataset):
         """The position: ``{"stream": plan, p: cursor, ...}`` for the partitions this reader
         holds (all of them with ``num_workers=0`` on one rank). Plain ints, no samples."""
         out: dict[Any, Any] = {S.META_KEY: self._meta().to_state(self._layout)}
-        cursors = self._reader.cursors if self._reader is not None else self._loaded or {}
+        if self._loaded is not None:  # loaded for the next iter(): that is the position now
+            cursors = self._loaded
+        else:
+            cursors = self._reader.cursors if self._reader is not None else {}
         for p in sorted(cursors):
             out[p] = list(cursors[p])
+        return out
+
+    def state_dict_changes(self) -> dict[Any, Any] | None:
+        """The keys of ``state_dict()`` that changed since the last call, or None: take the
+        whole ``state_dict()`` (no reader yet, or a reader that began or was restored since).
+
+        Our loader's workers call it after each batch: only the partitions the batch moved
+        are copied and compared, so the per-batch cost does not grow with the partitions a
+        worker owns. The ``"stream"`` header is always included.
+        """
+        reader = self._reader
+        if reader is None or reader.full or self._loaded is not None:
+            if reader is not None:
+                reader.full = False
+                reader.dirty.clear()
+            return None
+        out: dict[Any, Any] = {S.META_KEY: self._meta().to_state(self._layout)}
+        cursors = reader.cursors
+        for p in reader.dirty:
+            out[p] = list(cursors[p])
+        reader.dirty.clear()
         return out
 
     def load_state_dict(self, state: dict[Any, Any]) -> None:
@@ -367,11 +391,14 @@ class _Reader:
         self.cursors: dict[int, list[int]] = {}
         self.heap: list[tuple[int, int, int]] = []
         self.chains: dict[int, N.Node] = {}
+        self.dirty: set[int] = set()  # partitions moved since the last state_dict_changes()
+        self.full = True  # the next state_dict_changes() must say "take the whole state"
         self.restore(cursors)
 
     def restore(self, cursors: dict[int, list[int]]) -> None:
         self._drop_all()
         self.cursors = cursors
+        self.full = True
         # A cursor in an earlier pass it has not finished (a carry) sorts first: its rows come
         # before this pass's.
         self.heap = [
@@ -415,6 +442,7 @@ class _Reader:
                 # rebuilds the chain there, so nothing is lost or repeated.
                 self._drop(p)
                 raise
+            self.dirty.add(p)
             if item is N.END:
                 self._drop(p)
                 if e < self.epoch:

@@ -409,3 +409,27 @@ def test_a_cursor_s_skip_rows_are_drawn_and_not_delivered() -> None:
     first3 = [x for x in expected if x // 1000 in p2][:3]
     assert got == [x for x in expected if x not in first3]
     assert again.state_dict()[2][S.SKIP] == 0
+
+
+def test_state_dict_changes_applied_in_turn_rebuild_state_dict_at_every_row() -> None:
+    """What a worker sends after each batch (only the partitions it moved) must add up to the
+    whole state: a missed partition would resume it from an old cursor."""
+    s = _stream(shards=12, partitions=6).filter(F.odd)
+    held: dict[Any, Any] = {}
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        it = iter(s)
+        while True:
+            changes = s.state_dict_changes()
+            if changes is None:
+                held = copy.deepcopy(s.state_dict())
+            else:
+                held.update(copy.deepcopy(changes))
+            assert held == s.state_dict()
+            if next(it, None) is None:
+                break
+        if epoch == 0:  # a load into a live reader: the next call says "take it whole"
+            saved = s.state_dict()
+            s.load_state_dict(saved)
+            assert s.state_dict_changes() is None
+            assert s.state_dict() == saved
