@@ -66,7 +66,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=200)
     args = parse(p)
     reps = 20 if args.quick else args.reps
-    print("command: python benchmarks/bench_stream_partitions.py" + (" --quick" if args.quick else ""))
+    print(
+        "command: python benchmarks/bench_stream_partitions.py" + (" --quick" if args.quick else "")
+    )
     print(env_line())
     rows = []
     summary: dict[str, Any] = {}
