@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -156,6 +157,21 @@ class Stream(IterableDataset):
         if not callable(fn):
             raise TypeError(f"map() needs a callable, got {fn!r}")
         return self._with(N.MapStage(fn))
+
+    def random_map(self, fn: Callable[[Any, np.random.Generator], Any]) -> Stream:
+        """A new Stream whose samples are ``fn(sample, rng)``: for random augmentations.
+
+        ``rng`` is a ``numpy.random.Generator`` of the sample's own, seeded from the Stream's
+        seed, the pass, the partition and the sample's position in it -- never from the
+        loader's seed, the rank, the worker or the batch size. So a resume, on any layout,
+        draws for each sample exactly what the uninterrupted run drew, and the process's
+        global RNGs (the trainer's, with ``num_workers=0``) are left alone. Draw only from
+        ``rng``: ``torch.rand`` or ``random.random`` inside ``fn`` are not reproduced.
+        Costs about 7 us per sample (the generator's seeding).
+        """
+        if not callable(fn):
+            raise TypeError(f"random_map() needs a callable, got {fn!r}")
+        return self._with(N.RandomMapStage(fn))
 
     def filter(self, fn: Callable[[Any], bool]) -> Stream:
         """A new Stream keeping the samples for which ``fn(sample)`` is true. Its position

@@ -11,9 +11,11 @@ node answers three calls:
   re-reads that buffer (bounded) instead of storing samples;
 * ``seek(position)``: go there (lazily: the work happens at the next ``pull()``).
 
-Two rules keep the cursor table simple and the re-deal of ``loader/resume.py`` generic: a
-node's position at the start of a pass is all zeros, and a position is a function of what was
-pulled, never of the layout. A node that raised is thrown away; the reader rebuilds the chain
+Three rules keep the cursor table simple and the re-deal of ``loader/resume.py`` generic: a
+node's position at the start of a pass is all zeros; a position is a function of what was
+pulled, never of the layout; and a chain that was seeked reports, after each later pull, the
+same position the original chain reported after that pull (``random_map`` keys each item's
+generator by it). A node that raised is thrown away; the reader rebuilds the chain
 from the last position it recorded, so a failed pull neither loses nor repeats an item.
 
 A stage is described by a ``Stage`` (picklable, sent to workers with the ``Stream``); it names
@@ -26,6 +28,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from ..state.seeds import STREAM_ITEM, derive_seed
+
 __all__ = [
     "END",
     "SOURCE_FIELDS",
@@ -33,6 +39,7 @@ __all__ = [
     "FilterStage",
     "MapStage",
     "Node",
+    "RandomMapStage",
     "Source",
     "Stage",
     "stage_name",
@@ -216,6 +223,51 @@ class _Filter(Node):
     def seek(self, pos: list[int]) -> None:
         self.up.seek(pos[:-1])
         self.dropped = pos[-1]
+
+    def close(self) -> None:
+        self.up.close()
+
+
+# ---- random_map: a generator per item, keyed by where the item is ----
+
+
+@dataclass(frozen=True)
+class RandomMapStage(Stage):
+    fn: Callable[[Any, np.random.Generator], Any]
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return stage_name("random_map", self.fn)
+
+    def build(self, upstream: Node, ctx: Context) -> Node:
+        return _RandomMap(upstream, self.fn, ctx)
+
+
+class _RandomMap(Node):
+    """``fn(item, rng)``, ``rng`` a numpy Generator seeded from (the Stream's seed, the pass,
+    the partition, the item's position in the partition). The position is the same however
+    the chain got there (a resume, another layout, a respawned worker), so the draws are too;
+    and the process's global RNGs are left alone (with ``num_workers=0`` they are the
+    trainer's)."""
+
+    def __init__(self, up: Node, fn: Callable[[Any, np.random.Generator], Any], ctx: Context):
+        self.up = up
+        self.fn = fn
+        self.fields = up.fields
+        self.key = (ctx.seed, ctx.epoch, ctx.partition)
+
+    def pull(self) -> Any:
+        item = self.up.pull()
+        if item is END:
+            return item
+        seed = derive_seed(STREAM_ITEM, *self.key, *self.up.position())
+        return self.fn(item, np.random.Generator(np.random.PCG64(seed)))
+
+    def position(self) -> list[int]:
+        return self.up.position()
+
+    def seek(self, pos: list[int]) -> None:
+        self.up.seek(pos)
 
     def close(self) -> None:
         self.up.close()

@@ -11,6 +11,8 @@ process's RNGs hold. Every other seed is derived from the epoch's seed by hashin
 * a map-style task (batch ``t`` of the epoch):        derive(TASK, seed, t)
 * the ``k``-th fetch of stream worker ``w``:          derive(STREAM, seed, w, k)
 * ``iter(dataset)`` in stream worker ``w``:           derive(STREAM, seed, w, -1)
+* a ``Stream.random_map`` item (its own generator):   derive(STREAM_ITEM, stream seed, pass,
+  partition, *the item's position in its partition) -- no loader seed: the layout-free value
 
 Before each task, python ``random``, numpy's global RNG and torch's CPU generator are seeded with
 the task seed, so a batch's random augmentations depend only on which batch it is -- not on
@@ -44,6 +46,7 @@ TASK = 3
 STREAM = 4
 DIST_SEED = 5  # an epoch's seed under a DistributedSampler
 SAMPLE = 6  # a sample's own seed (seed_per_sample)
+STREAM_ITEM = 7  # a Stream item's generator in random_map: (stream seed, pass, partition, position)
 
 _MASK64 = (1 << 64) - 1
 _PERSON = b"resumable-loader"  # domain separation from any other blake2b use

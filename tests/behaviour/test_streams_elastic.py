@@ -271,3 +271,44 @@ def test_a_cursor_of_no_partition_is_refused_when_re_dealt() -> None:
     loader = DataLoader(_make(), batch_size=3, num_workers=1)
     with pytest.raises(CheckpointError, match=r"key 11 is not a partition in 0\.\.7"):
         loader.load_state_dict(state)
+
+
+# ---- random_map: the draws belong to the sample, not to the layout ----
+
+
+def _noisy(x: int, rng: Any) -> tuple[int, float]:
+    return x, float(rng.random())
+
+
+def _make_random() -> Stream:
+    return Stream.from_shards(list(range(SHARDS)), F.read, partitions=PARTITIONS).random_map(_noisy)
+
+
+def _pairs(workers: int, batch: int, state: Any = None, stop: int | None = None) -> Any:
+    loader = DataLoader(_make_random(), batch_size=batch, num_workers=workers)
+    if state is not None:
+        loader.load_state_dict(state)
+    out: list[tuple[int, float]] = []
+    for ids, vals in loader:
+        out += zip(ids.tolist(), vals.tolist())
+        if stop is not None and len(out) >= stop:
+            return out, load_state(dump_state(loader.state_dict()))
+    return out, None
+
+
+def test_random_map_draws_the_same_per_sample_on_another_layout_and_leaves_global_rngs() -> None:
+    """A random augmentation in a Stream: resumed on another num_workers and batch size, each
+    sample gets the value the uninterrupted run gave it (its generator is keyed by the
+    sample's place in its partition), and the trainer's global RNG is not touched."""
+    torch.manual_seed(5)
+    control = torch.rand(3)
+    torch.manual_seed(5)
+    alone = list(_make_random())  # as torch's DataLoader with num_workers=0 drives it
+    assert torch.equal(torch.rand(3), control)
+    ref, _ = _pairs(0, 4)
+    assert sorted(ref) == sorted(alone)
+    assert len({v for _, v in ref}) == len(ref)  # real draws, not a constant
+    head, state = _pairs(2, 3, stop=10)
+    torch.manual_seed(99)  # a restarted process whose RNGs moved
+    rest, _ = _pairs(4, 5, state=state)
+    assert sorted(head + rest) == sorted(ref)
