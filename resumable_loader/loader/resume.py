@@ -394,9 +394,21 @@ def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
                 f"Stream's state (no {P.META_KEY!r} key). The state is damaged."
             )
         metas.append(st[P.META_KEY])
-        tables.append({p: c for p, c in st.items() if p != P.META_KEY})
+        tables.append({P.partition_key(p): c for p, c in st.items() if p != P.META_KEY})
     if not metas:
-        return dataclasses.replace(rp, batch=shape.batch_size, source=None)
+        # No worker had read a row of this epoch (empty partitions, or a state taken before
+        # the first batch): this loader's workers start the pass afresh -- or stay ended.
+        done = all(w.exhausted for w in rp.workers)
+        k = max(1, shape.config["num_workers"])
+        return dataclasses.replace(
+            rp,
+            consumed=0,
+            ahead=frozenset(),
+            workers=[S.WorkerPosition(0, done, None, 0) for _ in range(k)],
+            next_worker=0,
+            batch=shape.batch_size,
+            source=None,
+        )
     meta = metas[0]
     table = P.merge_cursors(tables)
     parts, epoch, fields = meta.get("partitions"), meta.get("epoch"), meta.get("fields")

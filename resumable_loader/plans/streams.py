@@ -43,6 +43,7 @@ __all__ = [
     "merge_cursors",
     "owned",
     "parse_state",
+    "partition_key",
     "shard_digest",
     "valid_readers",
 ]
@@ -315,7 +316,17 @@ def _parse_meta(
     )
 
 
+def partition_key(key: Any) -> Any:
+    """A partition id as the state holds it: an int, or -- after a trip through json, which
+    writes every key as a string -- its decimal string (``"17"``, never ``"017"`` or
+    ``"+1"``). Anything else is returned unchanged, for the caller to refuse."""
+    if type(key) is str and key.isdigit() and key.isascii() and str(int(key)) == key:
+        return int(key)
+    return key
+
+
 def _parse_cursor(key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any]) -> list[int]:
+    key = partition_key(key)
     if type(key) is not int or not 0 <= key < meta.partitions:
         raise CheckpointError(
             f"Stream state: key {key!r} is neither 'stream' nor a partition in "
@@ -383,10 +394,12 @@ def parse_state(
     meta = _parse_meta(_field(state, META_KEY, ""), shard_count, digest, partitions, fields)
     deals: dict[int, Any] = {}
     cursors = {
-        key: _parse_cursor(key, value, meta, deals)
+        partition_key(key): _parse_cursor(key, value, meta, deals)
         for key, value in state.items()
         if key != META_KEY
     }
+    if len(cursors) != len(state) - 1:
+        raise CheckpointError("Stream state: a partition is there twice (as 3 and as '3')")
     return meta, cursors
 
 

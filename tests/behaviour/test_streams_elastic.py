@@ -312,3 +312,44 @@ def test_random_map_draws_the_same_per_sample_on_another_layout_and_leaves_globa
     torch.manual_seed(99)  # a restarted process whose RNGs moved
     rest, _ = _pairs(4, 5, state=state)
     assert sorted(head + rest) == sorted(ref)
+
+
+@pytest.mark.parametrize("now", [(2, 3), (0, 5)])
+def test_a_loader_state_through_json_resumes_on_the_same_and_another_layout(
+    now: tuple[int, int],
+) -> None:
+    """json writes the partition keys of each worker's Stream state as strings; found by
+    fuzz/test_fuzz_stream.py: such a state was refused ("key '0' is neither 'stream' nor a
+    partition")."""
+    import json
+
+    ref = _ref(2, 3)
+    head, state = _run(2, 3, stop=3)
+    rest, _ = _run(*now, state=json.loads(json.dumps(state)))
+    _check(head + rest, ref)
+
+
+def _nothing(shard: int, start: int) -> Iterator[int]:
+    return iter(())
+
+
+def test_a_state_of_empty_partitions_resumes_on_another_num_workers_and_back() -> None:
+    """Found by fuzz/test_fuzz_stream.py: no worker had read a row, so no Stream state was in
+    the loader state, and the re-deal kept the saving layout's worker entries; the state the
+    resumed loader then wrote was refused ("workers: expected 2 worker entries, got [...]")."""
+
+    def make(workers: int) -> DataLoader:
+        s = Stream.from_shards([0, 1], _nothing, partitions=2)
+        return DataLoader(s, batch_size=1, num_workers=workers)
+
+    state = None
+    for workers in (0, 2, 0, 1, 2):
+        loader = make(workers)
+        if state is not None:
+            loader.load_state_dict(state)
+            # Saved again before iterating (a job preempted right after its resume): the
+            # state must describe this loader's layout.
+            loader.load_state_dict(loader.state_dict())
+        assert list(loader) == []
+        assert list(loader) == []  # the next epoch too
+        state = loader.state_dict()
