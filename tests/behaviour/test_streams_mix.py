@@ -1,0 +1,119 @@
+"""``Stream.mix`` under our DataLoader: a state resumes bit-identically on the same layout
+(with workers), on another ``num_workers`` and batch size every source item of the epoch once
+with each partition's rows those of the uninterrupted run, and new weights at a resume reach
+the workers (a source weighted 0 gives nothing after the resume point)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import _stream_mix_sources as X
+import pytest
+
+from resumable_loader import DataLoader, Stream, dump_state, load_state
+
+SIZES = {"web": (32, 4), "code": (16, 4)}
+WEIGHTS = {"web": 3, "code": 1}
+EPOCHS = 2
+Run = list[tuple[int, list[int]]]
+
+
+def _make(weights: dict[str, int] = WEIGHTS, policy: str = "renormalize") -> Stream:
+    return Stream.mix(
+        {name: X.source(name, *SIZES[name]) for name in SIZES}, weights, on_exhausted=policy
+    )
+
+
+def _run(
+    workers: int,
+    batch: int,
+    state: Any = None,
+    stop: int | None = None,
+    weights: dict[str, int] = WEIGHTS,
+    policy: str = "renormalize",
+) -> tuple[Run, Any]:
+    """Epochs 0..EPOCHS-1 from ``state`` (or the start); the state after ``stop`` batches."""
+    loader = DataLoader(_make(weights, policy), batch_size=batch, num_workers=workers)
+    start = 0
+    if state is not None:
+        loader.load_state_dict(state)
+        start = state["epoch"]
+    out: Run = []
+    try:
+        for epoch in range(start, EPOCHS):
+            for b in loader:
+                out.append((epoch, b.tolist()))
+                if len(out) == stop:
+                    return out, load_state(dump_state(loader.state_dict()))
+    finally:
+        del loader
+    return out, None
+
+
+def _per_partition(run: Run, epoch: int) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for e, b in run:
+        if e == epoch:
+            for x in b:
+                out.setdefault(X.partition_of(x, SIZES, epoch), []).append(x)
+    return out
+
+
+def _every_item_once(run: Run) -> None:
+    """Under "renormalize" an epoch is every item of every source, once."""
+    for epoch in range(EPOCHS):
+        got = sorted(x for e, b in run if e == epoch for x in b)
+        want = sorted(
+            x
+            for name, (n, p) in SIZES.items()
+            for q in range(p)
+            for x in X.source_rows(name, n, p, q, epoch)
+        )
+        assert got == want, epoch
+
+
+@pytest.mark.parametrize(("workers", "policy"), [(0, "stop"), (2, "renormalize"), (2, "stop")])
+def test_same_layout_resumes_bit_identically(workers: int, policy: str) -> None:
+    ref, _ = _run(workers, 3, policy=policy)
+    if policy == "renormalize":
+        _every_item_once(ref)
+    for stop in (1, 7, len(ref) // 2 + 3):
+        head, state = _run(workers, 3, stop=stop, policy=policy)
+        rest, _ = _run(workers, 3, state=state, policy=policy)
+        assert head + rest == ref, stop
+
+
+@pytest.mark.parametrize(("now_workers", "now_batch"), [(0, 5), (1, 2), (4, 4)])
+def test_another_layout_delivers_every_item_once_in_partition_order(
+    now_workers: int, now_batch: int
+) -> None:
+    ref, _ = _run(2, 3)
+    head, state = _run(2, 3, stop=9)
+    rest, _ = _run(now_workers, now_batch, state=state)
+    _every_item_once(head + rest)
+    for epoch in range(EPOCHS):
+        assert _per_partition(head + rest, epoch) == _per_partition(ref, epoch), epoch
+
+
+def test_new_weights_at_a_resume_reach_the_workers_and_survive_another_resume() -> None:
+    head, state = _run(2, 3, stop=6)
+    new = {"web": 1, "code": 0}
+    cont, _ = _run(2, 3, state=state, weights=new)
+    first = [x for e, b in cont if e == 0 for x in b]
+    assert not [x for x in first if X.source_of(x) == "code"]
+    got = [x for e, b in head + cont if e == 0 for x in b]
+    assert len(got) == len(set(got))
+    # Epoch 1 draws only web, every web item once ("renormalize": code is weighted 0 and is
+    # never drawn, web runs to its end).
+    epoch1 = sorted(x for e, b in cont if e == 1 for x in b)
+    assert epoch1 == sorted(x for q in range(4) for x in X.source_rows("web", 32, 4, q, 1))
+    # Saved again after the change and resumed with the same weights: the continuation of
+    # the first resumed run, on the same layout and on another.
+    mid, state2 = _run(2, 3, state=state, weights=new, stop=4)
+    assert mid == cont[:4]
+    again, _ = _run(2, 3, state=state2, weights=new)
+    assert mid + again == cont
+    other, _ = _run(0, 5, state=state2, weights=new)
+    for epoch in range(EPOCHS):
+        assert _per_partition(mid + other, epoch) == _per_partition(cont, epoch), epoch
+    assert state2["workers"][0]["dataset_state"]["stream"]["mix"]["weights"] == [WEIGHTS, new]
