@@ -4,11 +4,12 @@ A mixture of Streams is itself a ``Stream`` with ``P`` partitions whose chains s
 node instead of a shard source (``Stream._chain``; the one seam in ``plans/stream.py``).
 Partition ``p`` of the mixture, pass ``e``, draws from partition ``p`` of each source, pass
 ``e``; its ``m``-th item comes from the source that the ``Mixture`` interleave
-(``interleave.Segment``: a Bresenham tree over the sources, phases drawn from the seed) names
-for position ``m``. Which item of that source comes next is the source chain's own position:
-no arithmetic, no index. So within a partition, over any window of ``n`` items under one set of
-weights, a source's count is within ``ceil(log2 S)`` of ``n * weight`` (``S``: sources with a
-positive weight), and no source item is drawn twice in a pass.
+(``interleave.Segment``: a Bresenham tree over the sources; its phases drawn from the seed and
+spread over the partitions, ``_phases``) names for position ``m``. Which item of that source
+comes next is the source chain's own position: no arithmetic, no index. So within a
+partition, over any window of ``n`` items under one set of weights, a source's count is within
+``ceil(log2 S)`` of ``n * weight`` (``S``: sources with a positive weight), and no source item
+is drawn twice in a pass.
 
 **Partition counts.** A source with ``P_s`` partitions where ``P_s`` divides ``P`` (``F =
 P / P_s``) is read with a stride: mixed partition ``p`` reads source partition ``p mod P_s`` and
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
@@ -280,11 +282,31 @@ class MixPlan:
                 )
 
 
-def _phase_seed(seed: int, partition: int, epoch: int) -> int:
-    """The seed of one partition's interleave in one pass: the phases of ``Segment`` come from
-    it, so partitions (and passes) are not in lockstep."""
-    text = json.dumps([seed, "stream-mix", partition, epoch])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+# Phases spread over the partitions. Partition p's node at depth d gets the phase
+# frac(u + p * alpha_d) * total, with u drawn from (seed, pass, segment start, node) and the
+# same in every partition: a Kronecker sequence, so the P partitions' phases are spread evenly
+# over range(total) whatever P is, and the global stream's counts stay close to the weights
+# (Hermite's identity: sum_p floor(x + p/P) = floor(P x)). alpha_0 is the golden ratio's
+# conjugate; deeper nodes take frac(sqrt(prime)) for other primes, so a child does not fall
+# into step with its parent. Fixed-point integers (64 bits), so every platform computes the
+# same phases; these constants decide every mixture's order: changing them is a new version.
+_ONE = 1 << 64
+_ALPHAS = (
+    (math.isqrt(5 << 128) - _ONE) >> 1,  # (sqrt(5) - 1) / 2
+    *(math.isqrt(q << 128) % _ONE for q in (2, 3, 7, 11, 13, 17, 19, 23)),
+)
+
+
+def _phases(seed: int, partition: int, epoch: int, start: int) -> Callable[[int, int, int], int]:
+    """The phase chooser of one partition's segment from ``start`` in pass ``epoch``."""
+
+    def phase(node: int, depth: int, total: int) -> int:
+        text = json.dumps([seed, "stream-mix", epoch, start, node])
+        u = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+        alpha = _ALPHAS[depth % len(_ALPHAS)]
+        return ((u + partition * alpha) % _ONE) * total >> 64
+
+    return phase
 
 
 class _Stride(N.Node):
@@ -325,7 +347,9 @@ class _Mix(N.Node):
     def __init__(self, plan: MixPlan, partition: int, epoch: int, seed: int) -> None:
         self.plan = plan
         self.fields = plan.fields
-        self.key = _phase_seed(seed, partition, epoch)
+        self.seed = seed
+        self.partition = partition
+        self.epoch = epoch
         ups: list[N.Node] = []
         for s in plan.sources:
             every = plan.stride(s)
@@ -344,7 +368,8 @@ class _Mix(N.Node):
             fracs = tuple(Fraction(0) if o else f for f, o in zip(self.plan.fracs, self.out))
             if not any(fracs):
                 return None
-            self.segment = Segment(self.seg, {}, fracs, (0,) * len(fracs), self.key)
+            phase = _phases(self.seed, self.partition, self.epoch, self.seg)
+            self.segment = Segment(self.seg, {}, fracs, (0,) * len(fracs), self.seed, phase)
         return self.segment
 
     def pull(self) -> Any:
