@@ -200,6 +200,7 @@ class Stream(IterableDataset):
                 s.cursor_fields()[head:],
                 {"name": name, **M.source_record(s._meta().to_state({}))},
                 s._shard_count,
+                s.read_stats,
             )
             for name, s in sorted(streams.items())
         ]
@@ -305,7 +306,10 @@ class Stream(IterableDataset):
 
     def read_stats(self) -> dict[str, int]:
         """This process's reads so far: shards opened, opens that seeked (``start > 0``), and
-        samples read only to be skipped (a reader without ``start``)."""
+        samples read only to be skipped (a reader without ``start``); a mixture's sources'
+        reads, summed."""
+        if self._mix is not None:
+            return self._mix.read_stats()
         return dict(self._stats)
 
     def set_epoch(self, epoch: int) -> None:

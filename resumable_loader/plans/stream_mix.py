@@ -49,6 +49,7 @@ from ..core.errors import CheckpointError
 from . import stream_nodes as N
 from .interleave import Segment, check_weights
 from .mixture_state import same_ratios
+from .streams import META_KEY
 
 __all__ = ["MIX_KEY", "POLICIES", "MixPlan", "MixSource", "exhaustion", "source_record"]
 
@@ -72,6 +73,7 @@ class MixSource:
     fields: tuple[str, ...]  # its chain's position fields
     record: dict[str, Any]  # shards, seed, shuffle_shards, partitions, pipeline, fields
     shard_count: int
+    stats: Callable[[], dict[str, int]]  # its reads in this process (``Stream.read_stats``)
 
 
 def _digest(records: list[dict[str, Any]]) -> str:
@@ -181,6 +183,14 @@ class MixPlan:
     def root(self, partition: int, epoch: int, seed: int) -> N.Node:
         """Mixed partition ``partition``'s mix node for pass ``epoch``, at the pass start."""
         return _Mix(self, partition, epoch, seed)
+
+    def read_stats(self) -> dict[str, int]:
+        """The sources' reads in this process, summed (opens, seeks, samples skipped)."""
+        total: dict[str, int] = {}
+        for s in self.sources:
+            for k, v in s.stats().items():
+                total[k] = total.get(k, 0) + v
+        return total
 
     # ---- a resume ----
 
@@ -420,7 +430,7 @@ def exhaustion(state: Mapping[Any, Any]) -> dict[str, dict[str, int]]:
     Raises:
         ValueError: not a mixed Stream's state.
     """
-    header = state.get("stream") if isinstance(state, Mapping) else None
+    header = state.get(META_KEY) if isinstance(state, Mapping) else None
     mix = header.get(MIX_KEY) if isinstance(header, dict) else None
     if not isinstance(header, dict) or not isinstance(mix, dict):
         raise ValueError("exhaustion() needs a mixed Stream's state (Stream.mix(...).state_dict())")
@@ -433,7 +443,7 @@ def exhaustion(state: Mapping[Any, Any]) -> dict[str, dict[str, int]]:
         out_i = fields.index(f"{name}.out")
         took = ran_out = 0
         for key, c in state.items():
-            if key == "stream":
+            if key == META_KEY:
                 continue
             took += c[took_i]
             ran_out += c[out_i]

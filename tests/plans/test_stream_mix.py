@@ -88,9 +88,13 @@ def test_renormalize_draws_every_item_of_every_source_once_in_source_order() -> 
         assert counts[name]["took"] == sum(1 for x in rows if X.source_of(x) == name)
 
 
-def test_stop_ends_each_partition_at_its_first_exhausted_source_and_counts_it() -> None:
-    weights = {"web": 1, "code": 1, "math": 1}
-    mix = _mix(weights, "stop")
+@given(weights=st.lists(st.integers(1, 5), min_size=3, max_size=3), seed=st.integers(0, 2**20))
+@settings(max_examples=15, deadline=None)
+def test_stop_ends_each_partition_at_its_first_exhausted_source_and_counts_it(
+    weights: list[int], seed: int
+) -> None:
+    named = dict(zip(X.NAMES, weights))
+    mix = _mix(named, "stop", seed=seed)
     rows = list(mix)
     assert len(set(rows)) == len(rows)
     _source_order_kept(rows)
@@ -105,7 +109,7 @@ def test_stop_ends_each_partition_at_its_first_exhausted_source_and_counts_it() 
         assert any(drawn[n] == full[n] for n in X.NAMES), p
         assert all(drawn[n] <= full[n] for n in X.NAMES), p
     # Under "renormalize" the same mixture draws more: the leftovers "stop" left.
-    assert len(list(_mix(weights, "renormalize"))) > len(rows)
+    assert len(list(_mix(named, "renormalize", seed=seed))) > len(rows)
 
 
 @given(
@@ -222,6 +226,26 @@ def test_new_weights_at_a_resume_apply_from_each_partitions_position(
         assert _window_deviation(names, weights) <= _bound(weights), p
     saved = resumed.state_dict()["stream"]["mix"]["weights"]
     assert saved == [old, weights]
+
+
+def test_a_resume_seeks_each_source_partition_once_and_skips_nothing() -> None:
+    weights = {"web": 2, "code": 1, "math": 1}
+    _, state = _take(_mix(weights, "renormalize"), 30)
+    fields = state["stream"]["fields"]
+    mid_shard = sum(
+        1
+        for k, c in state.items()
+        if k != "stream"
+        for name in weights
+        if c[fields.index(f"{name}.offset")] > 0
+    )
+    assert mid_shard > 0
+    resumed = _mix(weights, "renormalize")
+    resumed.load_state_dict(state)
+    list(resumed)
+    stats = resumed.read_stats()
+    assert stats["seeks"] == mid_shard  # one seek per source partition inside a shard
+    assert stats["skipped"] == 0
 
 
 def test_a_state_saved_after_new_weights_resumes_without_another_change() -> None:
