@@ -5,12 +5,14 @@ the workers (a source weighted 0 gives nothing after the resume point)."""
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import _stream_mix_sources as X
 import pytest
 
 from resumable_loader import DataLoader, Stream, dump_state, load_state
+from resumable_loader.testing import kill_at
 
 SIZES = {"web": (32, 4), "code": (16, 4)}
 WEIGHTS = {"web": 3, "code": 1}
@@ -117,3 +119,14 @@ def test_new_weights_at_a_resume_reach_the_workers_and_survive_another_resume() 
     for epoch in range(EPOCHS):
         assert _per_partition(mid + other, epoch) == _per_partition(cont, epoch), epoch
     assert state2["workers"][0]["dataset_state"]["stream"]["mix"]["weights"] == [WEIGHTS, new]
+
+
+def test_a_killed_worker_is_replaced_and_the_mixed_epoch_is_unchanged() -> None:
+    """A respawned worker rebuilds its mixed partitions (every source's chain) from the last
+    received cursors: the batches are the uninterrupted run's."""
+    ref = [b for e, b in _run(2, 3)[0] if e == 0]
+    loader = DataLoader(_make(), batch_size=3, num_workers=2)
+    got = [
+        b.tolist() for b in kill_at(loader, {2: [(0, signal.SIGKILL)], 9: [(1, signal.SIGKILL)]})
+    ]
+    assert got == ref
