@@ -198,7 +198,7 @@ class Stream(IterableDataset):
                 s._partitions,
                 s._chain,
                 s.cursor_fields()[head:],
-                {"name": name, **M.source_record(s._meta().to_state({}))},
+                {"name": name, **M.source_record(s._meta().to_state({}), s._mix)},
                 s._shard_count,
                 s.read_stats,
             )

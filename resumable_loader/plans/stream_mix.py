@@ -245,13 +245,13 @@ class MixPlan:
                 "named Streams (the weights may change, the sources may not)"
             )
         for r, mine in zip(saved, self.records):
-            for key in ("shards", "partitions", "seed", "shuffle_shards", "fields"):
-                if r.get(key) != mine[key]:
+            for key in ("shards", "partitions", "seed", "shuffle_shards", "fields", MIX_KEY):
+                if r.get(key) != mine.get(key):
                     raise CheckpointError(
                         f"Stream state: stream.mix.sources[{mine['name']!r}].{key} is "
-                        f"{r.get(key)!r}, this mixture's source has {mine[key]!r}: build the "
-                        f"source {mine['name']!r} as the checkpoint's was (the same shards, "
-                        "partitions, seed and stages)"
+                        f"{r.get(key)!r}, this mixture's source has {mine.get(key)!r}: build "
+                        f"the source {mine['name']!r} as the checkpoint's was (the same shards, "
+                        "partitions, seed and stages; an inner mixture with its weights)"
                     )
         policy = header.get("on_exhausted")
         if policy != self.policy:
@@ -454,8 +454,13 @@ def exhaustion(state: Mapping[Any, Any]) -> dict[str, dict[str, int]]:
     return out
 
 
-def source_record(meta: dict[str, Any]) -> dict[str, Any]:
+def source_record(meta: dict[str, Any], mix: MixPlan | None) -> dict[str, Any]:
     """What a mixture's state records about one source, from the source's own header
-    (``StreamMeta.to_state``): the keys a resume checks, and its pipeline for ``inspect``."""
+    (``StreamMeta.to_state``): the keys a resume checks, and its pipeline for ``inspect``. A
+    source that is itself a mixture adds its ``mix`` entry: its weights are fixed by the outer
+    state (a change would need a segment in cursors the outer mixture owns)."""
     keys = ("partitions", "seed", "shuffle_shards", "shards", "pipeline", "fields")
-    return {k: meta[k] for k in keys}
+    record = {k: meta[k] for k in keys}
+    if mix is not None:
+        record[MIX_KEY] = mix.header()
+    return record

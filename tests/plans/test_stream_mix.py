@@ -368,3 +368,30 @@ def test_a_malformed_mix_cursor_is_refused_naming_the_field() -> None:
     bad[1][fields.index("seg")] = bad[1][fields.index("m")] + 1
     with pytest.raises(CheckpointError, match="field 'seg'"):
         _mix({"web": 1, "code": 1}).load_state_dict(bad)
+
+
+def test_a_mixture_of_a_mixture_resumes_exactly_and_its_inner_weights_are_fixed() -> None:
+    def outer(inner_weights: dict[str, int]) -> Stream:
+        inner = Stream.mix(
+            {"web": X.source("web", 32, 4), "code": X.source("code", 16, 4)},
+            inner_weights,
+            on_exhausted="renormalize",
+        )
+        return Stream.mix(
+            {"wc": inner, "math": X.source("math", 8, 4)},
+            {"wc": 3, "math": 1},
+            on_exhausted="renormalize",
+        )
+
+    ref = list(outer({"web": 1, "code": 1}))
+    assert (
+        len(set(ref))
+        == len(ref)
+        == len(list(_mix({"web": 1, "code": 1, "math": 1}, "renormalize")))
+    )
+    head, state = _take(outer({"web": 1, "code": 1}), 50)
+    resumed = outer({"web": 1, "code": 1})
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == ref
+    with pytest.raises(CheckpointError, match=r"sources\['wc'\]\.mix"):
+        outer({"web": 1, "code": 0}).load_state_dict(state)
