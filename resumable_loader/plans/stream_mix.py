@@ -49,7 +49,7 @@ from ..core.errors import CheckpointError
 from . import stream_nodes as N
 from .interleave import Segment, check_weights
 from .mixture_state import same_ratios
-from .streams import META_KEY
+from .streams import META_KEY, PASS, deal_one
 
 __all__ = ["MIX_KEY", "POLICIES", "MixPlan", "MixSource", "exhaustion", "source_record"]
 
@@ -271,6 +271,25 @@ class MixPlan:
             plain_history.append(plain)
         return plain_history
 
+    def _check_source(self, p: int, epoch: int, s: MixSource, pos: list[int]) -> None:
+        """A source's position in mixed partition ``p``: a shard source's ``shard_i`` within
+        its partition's shards, ``offset`` within the samples read (an inner mixture's
+        fields are ints, checked when the outer state is parsed)."""
+        if s.fields[:3] != N.SOURCE_FIELDS:
+            return
+        shard_i, off, src = pos[:3]
+        n = _shards_in(s.record, epoch, p % s.partitions)
+        if shard_i > n:
+            raise CheckpointError(
+                f"Stream state: partition {p} field '{s.name}.shard_i' is {shard_i}, but the "
+                f"source's partition reads {n} shards in pass {epoch}"
+            )
+        if off > src:
+            raise CheckpointError(
+                f"Stream state: partition {p} field '{s.name}.offset' is {off}, more than the "
+                f"{src} samples ('{s.name}.src') the source read in its pass"
+            )
+
     def _check_cursors(self, cursors: dict[int, list[int]], offset: int) -> None:
         for p, c in cursors.items():
             m, seg = c[offset], c[offset + 1]
@@ -279,7 +298,8 @@ class MixPlan:
                     f"Stream state: partition {p} field 'seg' is {seg}, after its 'm' {m}"
                 )
             took = 0
-            for (_, end), s in zip(self.spans, self.sources):
+            for (start, end), s in zip(self.spans, self.sources):
+                self._check_source(p, c[PASS], s, c[offset + start : offset + end])
                 took += c[offset + end]
                 if c[offset + end + 1] > 1:
                     raise CheckpointError(
@@ -305,6 +325,15 @@ _ALPHAS = (
     (math.isqrt(5 << 128) - _ONE) >> 1,  # (sqrt(5) - 1) / 2
     *(math.isqrt(q << 128) % _ONE for q in (2, 3, 7, 11, 13, 17, 19, 23)),
 )
+
+
+def _shards_in(record: dict[str, Any], epoch: int, q: int) -> int:
+    """How many shards partition ``q`` of a source (its state ``record``) reads in pass
+    ``epoch``."""
+    count = record["shards"]["count"]
+    return len(
+        deal_one(record["seed"], epoch, count, record["partitions"], record["shuffle_shards"], q)
+    )
 
 
 def _phases(seed: int, partition: int, epoch: int, start: int) -> Callable[[int, int, int], int]:

@@ -395,3 +395,14 @@ def test_a_mixture_of_a_mixture_resumes_exactly_and_its_inner_weights_are_fixed(
     assert head + list(resumed) == ref
     with pytest.raises(CheckpointError, match=r"sources\['wc'\]\.mix"):
         outer({"web": 1, "code": 0}).load_state_dict(state)
+
+
+def test_a_source_position_out_of_its_partition_is_refused_naming_the_field() -> None:
+    _, state = _take(_mix({"web": 1, "code": 1}), 9)
+    fields = state["stream"]["fields"]
+    bad = {k: list(v) if k != "stream" else v for k, v in state.items()}
+    bad[2][fields.index("code.shard_i")] = 99
+    with pytest.raises(
+        CheckpointError, match=r"'code\.shard_i' is 99, but the source's partition reads 4"
+    ):
+        _mix({"web": 1, "code": 1}).load_state_dict(bad)
