@@ -11,7 +11,7 @@ from typing import Any
 import _stream_mix_sources as X
 import pytest
 
-from resumable_loader import DataLoader, Stream, dump_state, load_state
+from resumable_loader import CheckpointError, DataLoader, Stream, dump_state, load_state
 from resumable_loader.testing import kill_at
 
 SIZES = {"web": (32, 4), "code": (16, 4)}
@@ -130,3 +130,15 @@ def test_a_killed_worker_is_replaced_and_the_mixed_epoch_is_unchanged() -> None:
         b.tolist() for b in kill_at(loader, {2: [(0, signal.SIGKILL)], 9: [(1, signal.SIGKILL)]})
     ]
     assert got == ref
+
+
+def test_the_loader_refuses_a_state_of_a_mixture_of_other_sources() -> None:
+    _, state = _run(0, 3, stop=2)
+    other = Stream.mix(
+        {"web": X.source("web", 32, 4), "code": X.source("code", 12, 4)},
+        WEIGHTS,
+        on_exhausted="renormalize",
+    )
+    loader = DataLoader(other, batch_size=3)
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        loader.load_state_dict(state)
