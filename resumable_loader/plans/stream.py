@@ -168,7 +168,8 @@ class Stream(IterableDataset):
         state continues every partition at its position with the new weights.
 
         Args:
-            streams: the sources by name (built with ``from_shards``, with their own stages).
+            streams: the sources by name (built with ``from_shards``, with their own stages,
+                or mixtures themselves).
             weights: a weight per source name (ratios; 0 draws nothing from it).
             seed: the interleave's seed (its phases); the sources keep their own.
             on_exhausted: ``"stop"``: a partition's pass ends when one of its sources runs
@@ -192,18 +193,24 @@ class Stream(IterableDataset):
         if type(seed) is not int:
             raise TypeError(f"seed must be an int, got {seed!r}")
         head = len(S.HEAD_FIELDS)
-        sources = [
-            M.MixSource(
-                name,
-                s._partitions,
-                s._chain,
-                s.cursor_fields()[head:],
-                {"name": name, **M.source_record(s._meta().to_state({}), s._mix)},
-                s._shard_count,
-                s.read_stats,
+        sources = []
+        for name, given in sorted(streams.items()):
+            # A copy: a later load_state_dict on the caller's Stream (its seed, partitions)
+            # must not change a mixture that recorded them.
+            s = type(given).__new__(type(given))
+            s.__dict__.update(given.__dict__)
+            s._reset_runtime()
+            sources.append(
+                M.MixSource(
+                    name,
+                    s._partitions,
+                    s._chain,
+                    s.cursor_fields()[head:],
+                    {"name": name, **M.source_record(s._meta().to_state({}), s._mix)},
+                    s._shard_count,
+                    s.read_stats,
+                )
             )
-            for name, s in sorted(streams.items())
-        ]
         plan = M.MixPlan.build(sources, weights, partitions, on_exhausted)
         self = cls.__new__(cls)
         self._shards = []
