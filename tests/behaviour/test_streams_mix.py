@@ -10,8 +10,16 @@ from typing import Any
 
 import _stream_mix_sources as X
 import pytest
+import torch
 
-from resumable_loader import CheckpointError, DataLoader, Stream, dump_state, load_state
+from resumable_loader import (
+    CheckpointError,
+    DataLoader,
+    Stream,
+    dump_state,
+    load_state,
+    merge_rank_states,
+)
 from resumable_loader.testing import kill_at
 
 SIZES = {"web": (32, 4), "code": (16, 4)}
@@ -142,3 +150,55 @@ def test_the_loader_refuses_a_state_of_a_mixture_of_other_sources() -> None:
     loader = DataLoader(other, batch_size=3)
     with pytest.raises(CheckpointError, match="fingerprint"):
         loader.load_state_dict(state)
+
+
+def _job_epoch0(
+    monkeypatch: pytest.MonkeyPatch,
+    world: int,
+    workers: int,
+    batch: int,
+    state: Any = None,
+    stop: int | None = None,
+    weights: dict[str, int] = WEIGHTS,
+) -> tuple[list[int], Any]:
+    """Epoch 0 on ``world`` simulated ranks run one after the other: what they delivered, and
+    (``stop``) the job's global state after each consumed ``stop`` batches."""
+    got: list[int] = []
+    states = []
+    for r in range(world):
+        with monkeypatch.context() as m:
+            m.setattr(torch.distributed, "is_available", lambda: True)
+            m.setattr(torch.distributed, "is_initialized", lambda: True)
+            m.setattr(torch.distributed, "get_world_size", lambda *a, **k: world)
+            m.setattr(torch.distributed, "get_rank", lambda *a, r=r, **k: r)
+            loader = DataLoader(_make(weights), batch_size=batch, num_workers=workers)
+            if state is not None:
+                loader.load_state_dict(state)
+            for i, b in enumerate(loader, 1):
+                got += b.tolist()
+                if i == stop:
+                    break
+            states.append(load_state(dump_state(loader.state_dict())))
+            del loader
+    return got, merge_rank_states(states) if stop is not None else None
+
+
+def test_a_global_state_resumes_on_other_ranks_with_new_weights(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Saved on 2 simulated ranks x 1 worker, resumed on 4 ranks x 0 workers with the same
+    weights (every item once, partition order kept) and with code weighted 0 (nothing of code
+    after the resume, no item twice)."""
+    ref, _ = _run(0, 3)
+    head, state = _job_epoch0(monkeypatch, 2, 1, 3, stop=4)
+    rest, _ = _job_epoch0(monkeypatch, 4, 0, 2, state=state)
+    run = [(0, head + rest)]
+    want = sorted(x for e, b in ref if e == 0 for x in b)
+    assert sorted(head + rest) == want
+    assert _per_partition(run, 0) == _per_partition(ref, 0)
+    rest, _ = _job_epoch0(monkeypatch, 4, 0, 2, state=state, weights={"web": 1, "code": 0})
+    assert not [x for x in rest if X.source_of(x) == "code"]
+    assert len(set(head + rest)) == len(head + rest)
+    assert sorted(x for x in head + rest if X.source_of(x) == "web") == [
+        x for x in want if X.source_of(x) == "web"
+    ]
