@@ -35,7 +35,7 @@ import hashlib
 import json
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -187,9 +187,12 @@ class Segment:
     """The interleave from global position ``start`` on, under one set of weights.
 
     ``base[k]``: how many samples of source ``k`` the segments before this one drew.
+    ``phase(node, depth, total)``, if given, chooses each node's phase in ``range(total)``
+    instead of the seed (``Stream.mix`` spreads them over its partitions); the window bound
+    holds for any phases.
     """
 
-    __slots__ = ("base", "nodes", "paths", "root", "start", "weights")
+    __slots__ = ("base", "nodes", "paths", "phase", "root", "start", "weights")
 
     def __init__(
         self,
@@ -198,10 +201,12 @@ class Segment:
         fracs: tuple[Fraction, ...],
         base: tuple[int, ...],
         seed: int,
+        phase: Callable[[int, int, int], int] | None = None,
     ) -> None:
         self.start = start
         self.weights = weights
         self.base = base
+        self.phase = phase
         denominator = math.lcm(*(f.denominator for f in fracs))
         ints = [int(f * denominator) for f in fracs]
         common = math.gcd(*ints)
@@ -222,7 +227,10 @@ class Segment:
         mid = len(leaves) // 2
         a = sum(ints[k] for k in leaves[:mid])
         t = a + sum(ints[k] for k in leaves[mid:])
-        phase = int.from_bytes(_derive(seed, "phase", self.start, i)[:16], "little") % t
+        if self.phase is None:
+            phase = int.from_bytes(_derive(seed, "phase", self.start, i)[:16], "little") % t
+        else:
+            phase = self.phase(i, len(path), t)
         lo = self._build(leaves[:mid], ints, seed, [*path, (i, True)])
         hi = self._build(leaves[mid:], ints, seed, [*path, (i, False)])
         self.nodes[i] = (a, t, phase, lo, hi)

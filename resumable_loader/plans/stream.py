@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..core.errors import CheckpointError
+from . import stream_mix as M
 from . import stream_nodes as N
 from . import streams as S
 
@@ -46,6 +47,11 @@ def _takes_start(read: Callable[..., Any]) -> bool:
         if param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
             positional += 1
     return positional >= 2
+
+
+def _no_read(shard: Any, start: int) -> Iterator[Any]:
+    """A mixture's own reader: it has no shards (its sources read theirs)."""
+    return iter(())
 
 
 def _world() -> tuple[int, int]:
@@ -82,6 +88,10 @@ class Stream(IterableDataset):
     _partitions: int
     _digest: str
     _stages: tuple[N.Stage, ...]
+    # The chain's root: None reads ``_shards`` (``from_shards``); a mixture's plan
+    # (``Stream.mix``) starts each chain at a mix node over the sources' chains instead.
+    _mix: M.MixPlan | None
+    _shard_count: int
 
     def __init__(self) -> None:
         raise TypeError("build a Stream with Stream.from_shards(shards, read, ...)")
@@ -133,6 +143,88 @@ class Stream(IterableDataset):
         self._partitions = S.check_partitions(partitions, len(shards))
         self._digest = S.shard_digest(shards)
         self._stages = ()
+        self._mix = None
+        self._shard_count = len(shards)
+        self._reset_runtime()
+        return self
+
+    @classmethod
+    def mix(
+        cls,
+        streams: dict[str, Stream],
+        weights: dict[str, int | float],
+        *,
+        seed: int = 0,
+        on_exhausted: str = "stop",
+        partitions: int | None = None,
+    ) -> Stream:
+        """Named Streams interleaved by weight, inside each partition (``plans/stream_mix.py``).
+
+        Partition ``p`` of the mixture draws from partition ``p`` of each source (a source with
+        ``P_s`` partitions, ``P_s`` dividing the mixture's, is read with a stride: see
+        docs/streams.md, "Mixing streams"); item ``m`` comes from the source the ``Mixture``
+        interleave names, so over any window of ``n`` items of a partition each source's count
+        is within ``ceil(log2(sources))`` of ``n * weight``. ``.map``/``.filter`` and later
+        stages apply after the mix. A Stream built with other weights that loads this one's
+        state continues every partition at its position with the new weights.
+
+        Args:
+            streams: the sources by name (built with ``from_shards``, with their own stages,
+                or mixtures themselves).
+            weights: a weight per source name (ratios; 0 draws nothing from it).
+            seed: the interleave's seed (its phases); the sources keep their own.
+            on_exhausted: ``"stop"``: a partition's pass ends when one of its sources runs
+                out; ``"renormalize"``: that source is left out and the others go on.
+            partitions: the mixture's partition count; None: the largest source's. Every
+                source's partition count must divide it.
+
+        Raises:
+            TypeError: ``streams`` is not a dict of Streams, or ``seed`` is not an int.
+            ValueError: weights that do not name the sources, an unknown ``on_exhausted``,
+                or partition counts that do not fit (the error names the fix).
+        """
+        if not isinstance(streams, dict) or not streams:
+            raise TypeError("Stream.mix needs a non-empty dict of named Streams")
+        for name, s in streams.items():
+            if not isinstance(name, str) or not name or not isinstance(s, Stream):
+                raise TypeError(
+                    f"Stream.mix: {name!r}: the sources must be Streams under non-empty str "
+                    f"names, got {type(s).__name__}"
+                )
+        if type(seed) is not int:
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        head = len(S.HEAD_FIELDS)
+        sources = []
+        for name, given in sorted(streams.items()):
+            # A copy: a later load_state_dict on the caller's Stream (its seed, partitions)
+            # must not change a mixture that recorded them.
+            s = type(given).__new__(type(given))
+            s.__dict__.update(given.__dict__)
+            s._reset_runtime()
+            sources.append(
+                M.MixSource(
+                    name,
+                    s._partitions,
+                    s._chain,
+                    s.cursor_fields()[head:],
+                    {"name": name, **M.source_record(s._meta().to_state({}), s._mix)},
+                    s._shard_count,
+                    s.read_stats,
+                )
+            )
+        plan = M.MixPlan.build(sources, weights, partitions, on_exhausted)
+        self = cls.__new__(cls)
+        self._shards = []
+        self._read = _no_read  # never called: the sources read their own shards
+        self._seekable = True
+        self._seed = seed
+        self._shuffle = False
+        self._explicit = partitions
+        self._partitions = plan.partitions
+        self._digest = plan.digest
+        self._stages = ()
+        self._mix = plan
+        self._shard_count = plan.shard_count
         self._reset_runtime()
         return self
 
@@ -200,25 +292,32 @@ class Stream(IterableDataset):
 
     def pipeline(self) -> list[str]:
         """The stages, by name: ``["read", "map:tokenize", "filter:<lambda>"]``."""
-        return ["read"] + [stage.name for stage in self._stages]
+        root = "read" if self._mix is None else self._mix.name
+        return [root] + [stage.name for stage in self._stages]
 
     def cursor_fields(self) -> tuple[str, ...]:
         """The names of a partition cursor's ints: the reader's head, then the chain's
         position (the source's, then each stage's own)."""
-        fields: tuple[str, ...] = N.SOURCE_FIELDS
+        fields = N.SOURCE_FIELDS if self._mix is None else self._mix.fields
         for stage in self._stages:
             fields = stage.fields(fields)
         return (*S.HEAD_FIELDS, *fields)
 
     def _chain(self, partition: int, epoch: int) -> N.Node:
         """Partition ``partition``'s chain for pass ``epoch``, at the pass's start."""
+        if self._mix is not None:
+            return self._build_stages(
+                self._mix.root(partition, epoch, self._seed), partition, epoch
+            )
         keys = [
             self._shards[i]
             for i in S.deal_one(
                 self._seed, epoch, len(self._shards), self._partitions, self._shuffle, partition
             )
         ]
-        node: N.Node = N.Source(keys, self._open)
+        return self._build_stages(N.Source(keys, self._open), partition, epoch)
+
+    def _build_stages(self, node: N.Node, partition: int, epoch: int) -> N.Node:
         ctx = N.Context(self._seed, epoch, partition)
         for stage in self._stages:
             node = stage.build(node, ctx)
@@ -230,7 +329,10 @@ class Stream(IterableDataset):
 
     def read_stats(self) -> dict[str, int]:
         """This process's reads so far: shards opened, opens that seeked (``start > 0``), and
-        samples read only to be skipped (a reader without ``start``)."""
+        samples read only to be skipped (a reader without ``start``); a mixture's sources'
+        reads, summed."""
+        if self._mix is not None:
+            return self._mix.read_stats()
         return dict(self._stats)
 
     def set_epoch(self, epoch: int) -> None:
@@ -248,16 +350,23 @@ class Stream(IterableDataset):
             self._partitions,
             self._shuffle,
             self._epoch,
-            len(self._shards),
+            self._shard_count,
             self._digest,
             tuple(self.pipeline()),
             self.cursor_fields(),
         )
 
+    def _header(self) -> dict[str, Any]:
+        """The state's ``"stream"`` entry: the plan, and a mixture's sources and weights."""
+        head = self._meta().to_state(self._layout)
+        if self._mix is not None:
+            head[M.MIX_KEY] = self._mix.header()
+        return head
+
     def state_dict(self) -> dict[Any, Any]:
         """The position: ``{"stream": plan, p: cursor, ...}`` for the partitions this reader
         holds (all of them with ``num_workers=0`` on one rank). Plain ints, no samples."""
-        out: dict[Any, Any] = {S.META_KEY: self._meta().to_state(self._layout)}
+        out: dict[Any, Any] = {S.META_KEY: self._header()}
         if self._loaded is not None:  # loaded for the next iter(): that is the position now
             cursors = self._loaded
         else:
@@ -280,7 +389,7 @@ class Stream(IterableDataset):
                 reader.full = False
                 reader.dirty.clear()
             return None
-        out: dict[Any, Any] = {S.META_KEY: self._meta().to_state(self._layout)}
+        out: dict[Any, Any] = {S.META_KEY: self._header()}
         cursors = reader.cursors
         for p in reader.dirty:
             out[p] = list(cursors[p])
@@ -296,13 +405,22 @@ class Stream(IterableDataset):
         Raises:
             CheckpointError: the state is malformed or taken on another shard list.
         """
+        header = state.get(S.META_KEY) if isinstance(state, dict) else None
+        if self._mix is not None and isinstance(header, dict):
+            self._mix.check_header(header.get(M.MIX_KEY))  # names a changed source first
         meta, cursors = S.parse_state(
             state,
-            shard_count=len(self._shards),
+            shard_count=self._shard_count,
             digest=self._digest,
             partitions=self._explicit,
             fields=self.cursor_fields(),
+            shard_fields=self._mix is None,
         )
+        if self._mix is not None:
+            # The sources, and new weights (a segment starts at each partition's position).
+            self._mix = self._mix.adopt(
+                state[S.META_KEY].get(M.MIX_KEY), cursors, len(S.HEAD_FIELDS)
+            )
         self._seed = meta.seed
         self._shuffle = meta.shuffle_shards
         self._partitions = meta.partitions
@@ -385,7 +503,7 @@ class Stream(IterableDataset):
 
     def __repr__(self) -> str:
         return (
-            f"Stream({len(self._shards)} shards, {self._partitions} partitions, seed "
+            f"Stream({self._shard_count} shards, {self._partitions} partitions, seed "
             f"{self._seed}, {' -> '.join(self.pipeline())})"
         )
 
@@ -460,6 +578,9 @@ class _Reader:
                 raise
             self.dirty.add(p)
             if item is N.END:
+                # The position at the pass's end: what a mix's sources drew and which ran out
+                # (counted in the state; a source's own position there is its last shard's end).
+                c[head:] = chain.position()
                 self._drop(p)
                 if e < self.epoch:
                     # A carried pass is finished: the partition goes on with this pass.

@@ -325,7 +325,9 @@ def partition_key(key: Any) -> Any:
     return key
 
 
-def _parse_cursor(key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any]) -> list[int]:
+def _parse_cursor(
+    key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any], shard_fields: bool
+) -> list[int]:
     key = partition_key(key)
     if type(key) is not int or not 0 <= key < meta.partitions:
         raise CheckpointError(
@@ -346,6 +348,8 @@ def _parse_cursor(key: Any, value: Any, meta: StreamMeta, deals: dict[int, Any])
         raise CheckpointError(
             f"Stream state: {where} is in pass {c[PASS]}, after stream.epoch {meta.epoch}"
         )
+    if not shard_fields:
+        return c  # a mixture's chain: its own fields are checked by ``stream_mix``
     n = deals.get(c[PASS])
     if n is None:
         # Only the shard count of this partition matters: deal_one is O(shards / P).
@@ -376,13 +380,15 @@ def parse_state(
     digest: str,
     partitions: int | None,
     fields: tuple[str, ...] = CURSOR_FIELDS,
+    shard_fields: bool = True,
 ) -> tuple[StreamMeta, dict[int, list[int]]]:
     """A saved Stream state checked against this Stream: its plan and its cursors.
 
     ``partitions=None``: the Stream was built without an explicit count and adopts the
     state's. ``fields`` are this Stream's cursor fields (its pipeline's); a state with others
     is refused. Cursors are checked field by field; ranges that need the deal (``shard_i``) are
-    checked against it.
+    checked against it when the chain starts at the shards (``shard_fields``; a mixture's
+    chain starts at its mix node, whose fields ``plans/stream_mix.py`` checks).
 
     Raises:
         CheckpointError: naming the field that does not fit.
@@ -394,7 +400,7 @@ def parse_state(
     meta = _parse_meta(_field(state, META_KEY, ""), shard_count, digest, partitions, fields)
     deals: dict[int, Any] = {}
     cursors = {
-        partition_key(key): _parse_cursor(key, value, meta, deals)
+        partition_key(key): _parse_cursor(key, value, meta, deals, shard_fields)
         for key, value in state.items()
         if key != META_KEY
     }
