@@ -11,9 +11,10 @@ and the loader's own overhead):
   resume cost), for a reader that seeks (``read(shard, start)``) and one that cannot
   (``read(shard)``: it reads and discards the window's offset in its shard). Beside it the
   bound ``P x B`` and the same resume without a shuffle.
-* **Throughput** (``throughput`` rows): items/s of one pass, unshuffled vs ``shuffle(256)`` vs
-  ``shuffle(4096)``, the Stream alone in this process (per CPU-second) and under our DataLoader
-  (2 workers, batch 64, per wall second), alternated round by round.
+* **Throughput** (``throughput`` rows): items/s of one pass (wall), and CPU microseconds per
+  item (this process and the loader's workers: other load barely moves it), unshuffled vs
+  ``shuffle(256)`` vs ``shuffle(4096)``, the Stream alone in this process and under our
+  DataLoader (2 workers, batch 64), alternated round by round.
 * **Reservoir** (``reservoir`` rows): a classic shuffle buffer (``buf[j] = new; yield old``)
   whose state holds positions only must re-read back to its oldest buffered item at a
   resume. Simulated over ``60 B`` steps, checkpoints every 997 steps after ``20 B``: the mean
@@ -25,6 +26,8 @@ Exits non-zero only if a resumed stream differs from the uninterrupted one.
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 import sys
 import time
@@ -121,31 +124,37 @@ def resume_rows(p: int, b: int, length: int, reps: int) -> list[dict[str, Any]]:
     return out
 
 
-def _pass_items_per_s(make: Any, workers: int | None) -> float:
-    """Items per second of one pass: per CPU-second of this process for the Stream alone
-    (other load on the machine barely moves it), per wall second under the loader."""
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its reaped children (the loader's workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _one_pass(make: Any, workers: int | None) -> dict[str, float]:
+    """One pass: items per wall second, and CPU microseconds per item (this process plus the
+    workers, which the loader has reaped once the pass ended; other load on the machine
+    barely moves it, unlike the wall time)."""
     s = make()
+    t0, c0 = time.perf_counter(), _cpu_s()
     if workers is None:
-        t0 = time.process_time()
         n = sum(1 for _ in s)
-        return n / (time.process_time() - t0)
-    t0 = time.perf_counter()
-    loader = DataLoader(s, batch_size=BATCH, num_workers=workers)
-    n = sum(len(b) for b in loader)
-    del loader
-    return n / (time.perf_counter() - t0)
+    else:
+        loader = DataLoader(s, batch_size=BATCH, num_workers=workers)
+        n = sum(len(b) for b in loader)
+        del loader
+        gc.collect()
+    return {
+        "items_s": n / (time.perf_counter() - t0),
+        "cpu_us_per_item": (_cpu_s() - c0) / n * 1e6,
+    }
 
 
 def throughput(rounds: int, shards: int, length: int, budget_s: float) -> dict[str, Any]:
-    def make(b: int | None) -> Any:
-        return lambda: _stream(Seekable(length), shards // 2, b)
-
     def measure(b: int | None, workers: int | None) -> Any:
-        m = make(b)
-        return lambda: {"items_s": _pass_items_per_s(m, workers)}
+        return lambda: _one_pass(lambda: _stream(Seekable(length), shards // 2, b), workers)
 
     out: dict[str, Any] = {}
-    for where, workers in (("stream alone (CPU s)", None), ("loader, 2 workers (wall)", 2)):
+    for where, workers in (("stream alone", None), ("loader, 2 workers", 2)):
         fns = {
             name: measure(b, workers)
             for name, b in (("unshuffled", None), ("shuffle(256)", 256), ("shuffle(4096)", 4096))
@@ -155,6 +164,7 @@ def throughput(rounds: int, shards: int, length: int, budget_s: float) -> dict[s
             name: {
                 "items_s": C.median([r["items_s"] for r in rs]),
                 "vs_unshuffled": C.median(C.per_round_ratio(runs, name, "unshuffled", "items_s")),
+                "cpu_us_per_item": C.median([r["cpu_us_per_item"] for r in rs]),
                 "rounds": len(rs),
             }
             for name, rs in runs.items()
@@ -210,11 +220,15 @@ def main() -> None:
     print()
     print(f"throughput: one pass of 16 partitions x {2000 if args.quick else 10_000} items x 2")
     tp_rows = [
-        [where, name, f["items_s"], f["vs_unshuffled"], f["rounds"]]
+        [where, name, f["items_s"], f["vs_unshuffled"], f["cpu_us_per_item"], f["rounds"]]
         for where, by in tp.items()
         for name, f in by.items()
     ]
-    C.print_table(["where", "stream", "items/s", "x unshuffled", "rounds"], tp_rows, digits=2)
+    C.print_table(
+        ["where", "stream", "items/s (wall)", "x unshuffled", "CPU us/item", "rounds"],
+        tp_rows,
+        digits=2,
+    )
 
     res = [reservoir(b) for b in ((256,) if args.quick else (256, 4096))]
     print()
