@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from resumable_loader import (
+    CheckpointError,
     DataLoader,
     RetryPolicy,
     Stream,
@@ -285,3 +286,12 @@ def test_a_re_dealt_state_re_reads_at_most_b_per_partition(tmp_path: Path) -> No
         if F.sample(s_, i) + 0.5 in before:
             again[where[s_]] = again.get(where[s_], 0) + 1
     assert again and max(again.values()) <= B, again
+
+
+def test_a_state_of_another_buffer_size_is_refused_naming_the_pipeline() -> None:
+    _, state = _run(0, 3, stop=3)
+    loader = DataLoader(J.make(B + 1), batch_size=3)
+    loader.load_state_dict(state)  # the Stream checks its cursors where it loads them
+    with pytest.raises(CheckpointError, match=r"stream.pipeline .* 'shuffle\(B=3\)'.*must be"):
+        next(iter(loader))
+    del loader
