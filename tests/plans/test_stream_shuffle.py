@@ -216,6 +216,23 @@ def test_a_map_before_and_after_the_shuffle_is_resumed_and_may_change() -> None:
     assert head + list(t) == ref
 
 
+def test_two_shuffles_in_one_chain_have_their_own_orders_and_resume_anywhere() -> None:
+    def make() -> Stream:
+        return Stream.from_shards(list(range(12)), F.read, partitions=3).shuffle(4).shuffle(3)
+
+    ref = list(make())
+    once = list(Stream.from_shards(list(range(12)), F.read, partitions=3).shuffle(4))
+    assert sorted(ref) == sorted(once) and ref != once
+    assert make().cursor_fields()[-4:] == ("win", "taken", "win", "taken")
+    for k in range(len(ref) + 1):
+        s = make()
+        it = iter(s)
+        head = [next(it) for _ in range(k)]
+        t = make()
+        t.load_state_dict(copy.deepcopy(s.state_dict()))
+        assert head + list(t) == ref, k
+
+
 # ---- errors inside a window's fill ----
 
 
