@@ -50,6 +50,7 @@ __all__ = [
     "build_plan",
     "check_weights",
     "pass_keys",
+    "permutation",
     "permute",
     "places_in_order",
     "rest_draw",
@@ -116,6 +117,36 @@ def permute(x: int, n: int, keys: tuple[int, ...]) -> int:
         x = hi * a + lo
         if x < n:
             return x
+
+
+def _rounds(x: np.ndarray, a: int, keys: tuple[int, ...]) -> np.ndarray:
+    """``permute``'s four rounds on an int64 array of values below ``a * a`` (every product
+    stays below 2**60, so int64 holds the same numbers as CPython's ints)."""
+    hi, lo = np.divmod(x, a)
+    for r, key in enumerate(keys):
+        z = (lo if r % 2 == 0 else hi) ^ key
+        z = ((z ^ (z >> 15)) * _C1) & _M30
+        z = ((z ^ (z >> 12)) * _C2) & _M30
+        if r % 2 == 0:
+            hi = (hi + (z ^ (z >> 15))) % a
+        else:
+            lo = (lo + (z ^ (z >> 15))) % a
+    return hi * a + lo
+
+
+def permutation(n: int, keys: tuple[int, ...]) -> np.ndarray:
+    """``[permute(x, n, keys) for x in range(n)]`` as an int64 array, computed in numpy: the
+    same numbers, in O(n) vectorised work instead of n calls (a shuffle window's whole order
+    at once)."""
+    if n <= 1:
+        return np.zeros(n, dtype=np.int64)
+    a = math.isqrt(n - 1) + 1
+    out = _rounds(np.arange(n, dtype=np.int64), a, keys)
+    walk = np.flatnonzero(out >= n)
+    while walk.size:  # cycle-walk the few values that land in [n, a * a), as permute does
+        out[walk] = _rounds(out[walk], a, keys)
+        walk = walk[out[walk] >= n]
+    return out
 
 
 # ---- weights: exact ratios -----------------------------------------------------------------

@@ -29,6 +29,7 @@ from ..core.errors import CheckpointError
 from . import stream_mix as M
 from . import stream_nodes as N
 from . import streams as S
+from .stream_shuffle import ShuffleStage, check_buffer_size
 
 __all__ = ["Stream"]
 
@@ -272,6 +273,22 @@ class Stream(IterableDataset):
             raise TypeError(f"filter() needs a callable, got {fn!r}")
         return self._with(N.FilterStage(fn))
 
+    def shuffle(self, buffer_size: int) -> Stream:
+        """A new Stream whose partitions are each shuffled in windows of ``buffer_size``.
+
+        Each partition's input is cut into windows of ``buffer_size`` consecutive items, and
+        each window comes out in a permutation keyed by (seed, pass, partition, window): no RNG
+        state and no samples in the state, whose cursor gains ``win`` and ``taken``. A resume
+        re-reads at most ``buffer_size`` input items per partition (plus those a filter before
+        the shuffle drops among them). Each reader holds up to ``buffer_size`` items per
+        partition it owns. See docs/streams.md, "Shuffle".
+
+        Raises:
+            TypeError: ``buffer_size`` is not an int.
+            ValueError: ``buffer_size`` is below 1.
+        """
+        return self._with(ShuffleStage(check_buffer_size(buffer_size)))
+
     # ---- what it is ----
 
     @property
@@ -415,6 +432,7 @@ class Stream(IterableDataset):
             partitions=self._explicit,
             fields=self.cursor_fields(),
             shard_fields=self._mix is None,
+            pipeline=tuple(self.pipeline()),
         )
         if self._mix is not None:
             # The sources, and new weights (a segment starts at each partition's position).

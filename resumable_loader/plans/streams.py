@@ -44,6 +44,7 @@ __all__ = [
     "owned",
     "parse_state",
     "partition_key",
+    "positional_stages",
     "shard_digest",
     "valid_readers",
 ]
@@ -74,6 +75,16 @@ CURSOR_FIELDS = (*HEAD_FIELDS, "shard_i", "offset", "src")
 # differ in length by at most about 1/8.
 SHARDS_PER_PARTITION = 8
 MAX_DEFAULT_PARTITIONS = 4096
+
+# Stages whose function may change at a resume: their positions count input items, whatever
+# the function does. Every other stage's name carries what its position means (a shuffle's
+# buffer size, ...), so a state is only valid for the same name, in the same order.
+FREE_STAGES = ("map:", "random_map:", "filter:")
+
+
+def positional_stages(pipeline: Sequence[str]) -> list[str]:
+    """The stages of ``pipeline`` (``Stream.pipeline()``) a state's positions depend on."""
+    return [name for name in pipeline[1:] if not name.startswith(FREE_STAGES)]
 
 
 # ---- how many partitions ----
@@ -256,7 +267,12 @@ def _int(value: Any, where: str, low: int = 0) -> int:
 
 
 def _parse_meta(
-    meta: Any, shard_count: int, digest: str, partitions: int | None, fields: tuple[str, ...]
+    meta: Any,
+    shard_count: int,
+    digest: str,
+    partitions: int | None,
+    fields: tuple[str, ...],
+    ours: tuple[str, ...] | None,
 ) -> StreamMeta:
     kind = _field(meta, "kind", "stream.")
     if kind != STATE_KIND:
@@ -311,6 +327,13 @@ def _parse_meta(
     pipeline = _field(meta, "pipeline", "stream.")
     if not isinstance(pipeline, list) or not all(isinstance(s, str) for s in pipeline):
         raise CheckpointError("Stream state: stream.pipeline must be a list of str")
+    if ours is not None and positional_stages(pipeline) != positional_stages(ours):
+        raise CheckpointError(
+            f"Stream state: stream.pipeline is {pipeline}, this Stream's is {list(ours)}: the "
+            f"stages {positional_stages(pipeline)} decide what a position means and must be "
+            f"the same (this Stream has {positional_stages(ours)}); resume with the "
+            "checkpoint's pipeline, or start the next epoch afresh"
+        )
     return StreamMeta(
         seed, p_saved, shuffle, epoch, count, saved_digest, tuple(pipeline), tuple(fields)
     )
@@ -381,14 +404,17 @@ def parse_state(
     partitions: int | None,
     fields: tuple[str, ...] = CURSOR_FIELDS,
     shard_fields: bool = True,
+    pipeline: tuple[str, ...] | None = None,
 ) -> tuple[StreamMeta, dict[int, list[int]]]:
     """A saved Stream state checked against this Stream: its plan and its cursors.
 
     ``partitions=None``: the Stream was built without an explicit count and adopts the
     state's. ``fields`` are this Stream's cursor fields (its pipeline's); a state with others
-    is refused. Cursors are checked field by field; ranges that need the deal (``shard_i``) are
-    checked against it when the chain starts at the shards (``shard_fields``; a mixture's
-    chain starts at its mix node, whose fields ``plans/stream_mix.py`` checks).
+    is refused. ``pipeline`` is this Stream's ``pipeline()``: a state whose stages other than
+    ``map`` and ``filter`` differ (another shuffle buffer size, ...) is refused. Cursors are
+    checked field by field; ranges that need the deal (``shard_i``) are checked against it
+    when the chain starts at the shards (``shard_fields``; a mixture's chain starts at its mix
+    node, whose fields ``plans/stream_mix.py`` checks).
 
     Raises:
         CheckpointError: naming the field that does not fit.
@@ -397,7 +423,9 @@ def parse_state(
         raise CheckpointError(
             f"Stream state must be a dict (Stream.state_dict()), got {type(state).__name__}"
         )
-    meta = _parse_meta(_field(state, META_KEY, ""), shard_count, digest, partitions, fields)
+    meta = _parse_meta(
+        _field(state, META_KEY, ""), shard_count, digest, partitions, fields, pipeline
+    )
     deals: dict[int, Any] = {}
     cursors = {
         partition_key(key): _parse_cursor(key, value, meta, deals, shard_fields)

@@ -433,3 +433,22 @@ def test_state_dict_changes_applied_in_turn_rebuild_state_dict_at_every_row() ->
             s.load_state_dict(saved)
             assert s.state_dict_changes() is None
             assert s.state_dict() == saved
+
+
+def _draw(x: int, rng: Any) -> tuple[int, float]:
+    return x, float(rng.random())
+
+
+def test_random_map_after_a_shuffle_resumes_with_the_same_draws() -> None:
+    """random_map keys each sample's generator by its chain position: a shuffle's position
+    after a resume mid-window must be the one the uninterrupted chain reported."""
+
+    def make() -> Stream:
+        return _stream().filter(F.odd).shuffle(3).random_map(_draw)
+
+    n = len(list(make()))
+    assert n > 10
+    for k in range(n + 1):
+        ref, got = _cut_and_resume(make, k)
+        assert got == ref, k
+    assert len({v for _, v in ref}) == len(ref)
