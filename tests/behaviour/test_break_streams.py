@@ -10,6 +10,7 @@ promise the behaviour. Adds about 6 s to the default run on the shared 2-core ma
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import json
 import os
@@ -21,8 +22,16 @@ from typing import Any
 
 import _stream_shards as F
 import pytest
+import torch
 
-from resumable_loader import CheckpointError, DataLoader, Stream, dump_state, load_state
+from resumable_loader import (
+    CheckpointError,
+    DataLoader,
+    Stream,
+    dump_state,
+    load_state,
+    merge_rank_states,
+)
 from resumable_loader.plans.streams import deal
 
 SHARDS = 16
@@ -271,6 +280,40 @@ def test_a_damaged_stream_state_is_refused_by_load_state_dict_on_the_same_layout
         assert loader.state_dict() == before
     finally:
         del it, loader
+
+
+@contextlib.contextmanager
+def _as_rank(monkeypatch: pytest.MonkeyPatch, world: int, rank: int) -> Iterator[None]:
+    """torch.distributed's world as the Stream and the loader read it (as
+    tests/behaviour/test_streams_elastic.py simulates ranks)."""
+    with monkeypatch.context() as m:
+        m.setattr(torch.distributed, "is_available", lambda: True)
+        m.setattr(torch.distributed, "is_initialized", lambda: True)
+        m.setattr(torch.distributed, "get_world_size", lambda *a, **k: world)
+        m.setattr(torch.distributed, "get_rank", lambda *a, **k: rank)
+        yield
+
+
+def test_a_global_state_with_a_damaged_stream_cursor_is_refused_by_every_rank_at_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """distributed.md: a global state is refused by every rank or by none, so that no rank
+    goes on into a collective that a refusing rank never reaches. Rank 1's entry has a cursor
+    with offset -1: on the saving layout rank 0 loads it and trains, rank 1 loads it too and
+    raises only at its first ``next()`` (from its worker) -- in a DDP job, rank 0 hangs."""
+    states = []
+    for r in range(2):
+        with _as_rank(monkeypatch, 2, r):
+            _, state = _run(2, 3, stop=2)
+            states.append(state)
+    _set_offset(states[1])
+    bad = merge_rank_states(states)
+    for r in range(2):
+        with _as_rank(monkeypatch, 2, r):
+            loader = DataLoader(_make(), batch_size=3, num_workers=2)
+            with pytest.raises(CheckpointError, match="offset"):
+                loader.load_state_dict(bad)
+            del loader
 
 
 @pytest.mark.parametrize("epoch", [1, 10**30])
