@@ -383,3 +383,30 @@ def test_changing_the_loaded_dict_afterwards_does_not_change_the_resume() -> Non
                 cursor[:] = [0] * len(cursor)
     rest = [(0, b.tolist()) for b in loader]
     assert head + rest == ref
+
+
+def _filtered() -> Stream:
+    return (
+        Stream.from_shards(list(range(SHARDS)), F.read, partitions=PARTITIONS)
+        .filter(F.odd)
+        .map(F.plus_half)
+    )
+
+
+@pytest.mark.parametrize("now", [(2, 3), (1, 3), (0, 3)], ids=["same-layout", "re-dealt", "w0"])
+def test_a_state_of_another_pipeline_is_refused_by_load_state_dict(now: tuple[int, int]) -> None:
+    """guarantees.md: a state taken under another configuration is refused with a
+    ``CheckpointError``, and the loader is left as it was. A state saved with a
+    ``.filter`` stage, loaded after the script dropped the filter, is taken by
+    ``load_state_dict`` on every layout; the refusal ("the state was taken with another
+    pipeline") comes at the first ``next()``, with 2 workers wrapped in a worker's traceback."""
+    _, state = _run(2, 3, stop=5, make=_filtered)
+    loader = DataLoader(_make(), batch_size=now[1], num_workers=now[0])
+    before = loader.state_dict()
+    try:
+        with pytest.raises(CheckpointError, match="another pipeline") as e:
+            loader.load_state_dict(state)
+        assert "Traceback" not in str(e.value)
+        assert loader.state_dict() == before
+    finally:
+        del loader
