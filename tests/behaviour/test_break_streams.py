@@ -410,3 +410,21 @@ def test_a_state_of_another_pipeline_is_refused_by_load_state_dict(now: tuple[in
         assert loader.state_dict() == before
     finally:
         del loader
+
+
+def test_looking_at_the_stream_does_not_change_the_loaders_state_num_workers_0() -> None:
+    """guarantees.md: ``state_dict()`` describes exactly what the iterator delivered. With
+    ``num_workers=0``, a user who peeks at the loader's Stream (``next(iter(stream))``, to log
+    a sample) mid-epoch leaves the loop's batches as they were, but ``state_dict()`` now
+    holds the peek's position: the resume repeats 8 samples of the epoch. (With workers the
+    state is unchanged.)"""
+    ref, _ = _run(0, 3)
+    stream = _make()
+    loader = DataLoader(stream, batch_size=3, num_workers=0)
+    it = iter(loader)
+    head = [(0, next(it).tolist()) for _ in range(3)]
+    next(iter(stream))
+    state = load_state(dump_state(loader.state_dict()))
+    del it, loader
+    rest, _ = _run(0, 3, state=state)
+    assert head + rest == ref
