@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import operator
 import re
+import warnings
 from typing import Any
 
 from ..core.errors import CheckpointError
@@ -511,6 +512,13 @@ def _skip_stream(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     out = [copy.deepcopy(sd) for sd in states]
     if n == 0:
         return out
+    warnings.warn(
+        f"skip_samples: a Stream's {n} skipped rows are read, not delivered: the worker "
+        f"that owns each of the {len(share)} partitions concerned reads its share (and the "
+        "samples its filters drop among them) at the next start, before its first batch",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     before = sum(c[_ROWS] + c[_SKIP] for c in start.values() if c[_PASS] == epoch)
     for r, (new, rp) in enumerate(zip(out, points)):
         for i, w in enumerate(new[S.K_WORKERS]):

@@ -35,6 +35,10 @@ from resumable_loader.cli.main import main
 from resumable_loader.plans.streams import deal
 from resumable_loader.state.skip import water_fill
 
+# Every skip of a Stream's state warns that its rows are read in the workers (checked once,
+# in test_a_skip_says_its_rows_are_read_not_delivered).
+pytestmark = pytest.mark.filterwarnings("ignore:skip_samples. a Stream:RuntimeWarning")
+
 SHARDS = 32  # 2..6 samples each: 8 shards, about 32 rows, per partition
 PARTITIONS = 4
 EPOCHS = 2
@@ -254,13 +258,21 @@ def test_a_state_without_cursors_is_refused_with_what_to_do() -> None:
         skip_samples(damaged, 3)
 
 
+def test_a_skip_says_its_rows_are_read_not_delivered() -> None:
+    _, state = _run(0, 3, stop=1)
+    with pytest.warns(RuntimeWarning, match=r"7 skipped rows are read, not delivered"):
+        skip_samples(state, 7)
+
+
 def test_the_cli_skips_a_saved_stream_state(tmp_path: Path, capsys: Any) -> None:
     ref = _ref(0, 3)
     head, state = _run(0, 3, stop=2)
     path = tmp_path / "ckpt.pt"
     torch.save({"loader": state, "step": 2}, path)
     assert main(["skip", str(path), "--samples", "4", "--key", "loader"]) == 0
-    assert "skipped 4 samples" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "skipped 4 samples" in out
+    assert "note: skip_samples: a Stream's 4 skipped rows are read, not delivered" in out
     saved = torch.load(path, weights_only=True)
     assert saved["loader"] == skip_samples(state, 4)
     rest, _ = _run(0, 3, state=saved["loader"])
