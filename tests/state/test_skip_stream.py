@@ -277,3 +277,59 @@ def test_the_cli_skips_a_saved_stream_state(tmp_path: Path, capsys: Any) -> None
     assert saved["loader"] == skip_samples(state, 4)
     rest, _ = _run(0, 3, state=saved["loader"])
     _check(ref, head, rest, 4)
+
+
+def test_two_skips_are_one_skip_of_their_sum() -> None:
+    ref = _ref(0, 3)
+    head, state = _run(0, 3, stop=3)
+    twice = skip_samples(skip_samples(state, 4), 5)
+    assert twice["skipped_samples"] == [[0, 9, 4], [0, 13, 5]]
+    rest, _ = _run(0, 3, state=twice)
+    _check(ref, head, rest, 9)
+
+
+def _uneven_read(shard: int, start: int) -> Iterator[int]:
+    """Even shards hold 1 row, odd ones 12: with 4 partitions in shard order, partitions 0 and
+    2 (worker 0 of 2) run dry long before 1 and 3 (worker 1)."""
+    for i in range(start, 1 if shard % 2 == 0 else 12):
+        yield shard * 1000 + i
+
+
+def test_a_worker_that_ran_dry_gets_no_share() -> None:
+    """One of two workers has delivered all its rows (its reader ended, and its END carried no
+    cursors, so one of its partitions still looks unfinished: its 16 rows filled 4 whole
+    batches of 4): the next rows of the stream are all the other worker's, even past the level
+    the dry partitions stopped at."""
+
+    def make() -> Stream:
+        return Stream.from_shards(list(range(32)), _uneven_read, partitions=4, shuffle_shards=False)
+
+    def per_partition(rows: list[int]) -> dict[int, list[int]]:
+        return {p: [x for x in rows if (x // 1000) % 4 == p] for p in range(4)}
+
+    ref = [x for b in DataLoader(make(), batch_size=4) for x in b.tolist()]
+    loader = DataLoader(make(), batch_size=4, num_workers=2)
+    head: list[int] = []
+    state = None
+    for b in loader:
+        head += b.tolist()
+        sd = loader.state_dict()
+        if [w["exhausted"] for w in sd["workers"]] == [True, False]:
+            state = load_state(dump_state(sd))
+            break
+    del loader
+    assert state is not None
+    cursors = state["workers"][0]["dataset_state"]
+    assert any(c[1] == 0 for p, c in cursors.items() if p != "stream")  # looks unfinished
+    drawn = {p: len(rows) for p, rows in per_partition(head).items()}
+    level = max(drawn[0], drawn[2]) + 3  # past the dry partitions' rows: 8 each
+    n = (level - drawn[1]) + (level - drawn[3])
+    skipped = skip_samples(state, n)
+    again = DataLoader(make(), batch_size=4, num_workers=2)
+    again.load_state_dict(skipped)
+    rest = [x for b in again for x in b.tolist()]
+    del again
+    want = per_partition(ref)
+    for p in (1, 3):  # each live partition less the rows up to the level
+        want[p] = want[p][: drawn[p]] + want[p][level:]
+    assert per_partition(head + rest) == want
