@@ -333,3 +333,24 @@ def test_a_worker_that_ran_dry_gets_no_share() -> None:
     for p in (1, 3):  # each live partition less the rows up to the level
         want[p] = want[p][: drawn[p]] + want[p][level:]
     assert per_partition(head + rest) == want
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_the_cli_skips_a_dcp_checkpoint_into_a_new_one_that_resumes_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A 2-worker loader saved with torch.distributed.checkpoint (its global state), skipped by
+    the CLI into a new directory, loaded by a loader with num_workers=0."""
+    import torch.distributed.checkpoint as dcp
+
+    ref = _ref(2, 3)
+    loader = DataLoader(_make(), batch_size=3, num_workers=2)
+    it = iter(loader)
+    head: Run = [(0, next(it).tolist()) for _ in range(2)]
+    dcp.save({"loader": loader}, checkpoint_id=str(tmp_path / "ckpt"))
+    del it, loader
+    assert main(["skip", str(tmp_path / "ckpt"), "--samples", "5", "-o", str(tmp_path / "o")]) == 0
+    resumed = DataLoader(_make(), batch_size=3)
+    dcp.load({"loader": resumed}, checkpoint_id=str(tmp_path / "o"))
+    rest: Run = [(e, b.tolist()) for e in range(EPOCHS) for b in resumed]
+    _check(ref, head, rest, 5)
