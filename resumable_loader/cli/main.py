@@ -46,7 +46,7 @@ from ..state.ranks import is_global, split_global
 from .messages import CliError, kind_of
 from .readers import dig, find_state, key_label, looks_like_state, read_checkpoint
 from .skip import run_skip
-from .streams import check, read_table
+from .streams import check, read_table, table_lines
 from .summary import format_summary, jsonable
 
 
@@ -106,6 +106,11 @@ def _build_parser() -> argparse.ArgumentParser:
             'print the whole state as JSON instead (bytes as {"$bytes": BASE64}; non-finite '
             "floats as NaN/Infinity)"
         ),
+    )
+    inspect.add_argument(
+        "--partitions",
+        action="store_true",
+        help="also print a Stream's cursor table: one line per partition, one column per field",
     )
     inspect.add_argument(
         "--check",
@@ -174,7 +179,22 @@ def _inspect(args: argparse.Namespace) -> int:
     except RecursionError as exc:  # only a torch.save file can hold a reference cycle
         raise CliError(f"the state in {args.path} holds itself or is nested too deeply") from exc
     print(text)
+    if args.partitions:
+        _partitions(state)
     return _check(state) if args.check else 0
+
+
+def _partitions(state: dict[str, Any]) -> None:
+    """``inspect --partitions``: a Stream's cursor table (every rank's, for a global state)."""
+    try:
+        table = read_table(split_global(state) if is_global(state) else [state])
+    except CheckpointError as exc:
+        print(f"partitions: the global state is damaged: {exc}")
+        return
+    if table is None:
+        print("partitions: not a Stream's state")
+        return
+    print("\n".join(table_lines(table)))
 
 
 def _check(state: dict[str, Any]) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..state.codec import clip_repr, clip_text
 
-__all__ = ["StreamTable", "check", "lines", "read_table"]
+__all__ = ["StreamTable", "check", "lines", "read_table", "table_lines"]
 
 HEAD = ["pass", "done", "rows", "skip"]
 PASS, DONE, ROWS, SKIP = range(4)
@@ -295,6 +295,26 @@ def lines(t: StreamTable) -> list[tuple[str, str]]:
     ]
     if counters:
         out.append(("", "this pass: " + ", ".join(counters)))
+    return out
+
+
+def table_lines(t: StreamTable) -> list[str]:
+    """Every cursor in the state, one line per partition in id order, under the header's
+    field names (``inspect --partitions``); partitions without a cursor are not listed."""
+    fields = t.fields or [
+        f"#{i}" for i in range(max((len(c) for c in t.cursors.values()), default=0))
+    ]
+    width = [max(len(f), 4) for f in fields]
+    for c in t.cursors.values():
+        width = [max(w, len(str(v))) for w, v in zip(width, c)]
+    out = ["partition  " + "  ".join(f"{f:>{w}}" for f, w in zip(fields, width))]
+    for p in sorted(t.cursors):
+        out.append(f"{p:>9}  " + "  ".join(f"{v:>{w}}" for v, w in zip(t.cursors[p], width)))
+    if t.partitions is not None and len(t.cursors) < t.partitions:
+        out.append(
+            f"({t.partitions - len(t.cursors)} partitions without a cursor in the state: at "
+            "their pass's start, or another rank's)"
+        )
     return out
 
 

@@ -167,3 +167,22 @@ def test_check_on_a_state_that_is_not_a_streams(tmp_path: Path, capsys: Any) -> 
     assert code == 0
     assert "stream  " not in out
     assert "check: not a Stream's state" in out
+
+
+def test_partitions_prints_every_cursor_under_its_field_names(tmp_path: Path, capsys: Any) -> None:
+    state = _state()
+    code, out = _inspect(tmp_path, capsys, state, "--partitions")
+    assert code == 0
+    table = out.split("partition  ", 1)[1].splitlines()
+    assert table[0].split() == [
+        "pass",
+        "done",
+        "rows",
+        "skip",
+        "shard_i",
+        "offset",
+        "src",
+        "filtered",
+    ]
+    rows = {int(line.split()[0]): [int(v) for v in line.split()[1:]] for line in table[1:]}
+    assert rows == _cursors(state)
