@@ -377,9 +377,13 @@ def _skip_distributed(states: list[dict[str, Any]], n: int) -> list[dict[str, An
 # This module sits below ``plans`` (the state layer), so it reads the cursor's layout from the
 # state's own ``stream.fields`` and repeats the two formulas it needs: which reader owns a
 # partition (``plans.streams.owned``) and which cursor a reader starts a partition from
-# (``Stream._cursors_for``); a test checks them against those.
+# (``Stream._cursors_for``). Were they to drift, a skipped state would put a cursor in a worker
+# that does not read it, which the same-layout tests of tests/state/test_skip_stream.py load.
 _STREAM_HEAD = ["pass", "done", "rows", "skip"]
 _PASS, _DONE, _ROWS, _SKIP = range(4)
+# The skip walks every partition (those without a cursor are at their pass's start), so a
+# crafted header's count is bounded before that walk: far above any real shard list's.
+MAX_STREAM_PARTITIONS = 1 << 24
 
 
 def _is_stream(sd: Any) -> bool:
@@ -389,9 +393,10 @@ def _is_stream(sd: Any) -> bool:
     return isinstance(record, dict) and record.get("class") == S.STREAM_CLASS
 
 
-def _owner(p: int, world: int, workers: int) -> tuple[int, int]:
-    """(rank, worker) that reads partition ``p`` (``plans.streams.owned``)."""
-    return p % world, (p // world) % workers
+def _owned(parts: int, world: int, workers: int, rank: int, worker: int) -> list[int]:
+    """The partitions reader (rank, worker) reads (``plans.streams.owned``): ``p mod W ==
+    rank`` and ``(p div W) mod K == worker``, i.e. ``rank + W * worker`` every ``W * K``."""
+    return list(range(rank + world * worker, parts, world * workers))
 
 
 def _start_cursor(c: list[int] | None, epoch: int, width: int) -> list[int]:
@@ -457,10 +462,11 @@ def _stream_meta(states: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str
                 not isinstance(fields, list)
                 or fields[: len(_STREAM_HEAD)] != _STREAM_HEAD
                 or type(parts) is not int
-                or parts < 1
+                or not 1 <= parts <= MAX_STREAM_PARTITIONS
             ):
                 raise _fail(
-                    f"{where}.stream: expected partitions (an int >= 1) and fields starting "
+                    f"{where}.stream: expected partitions (an int in 1..{MAX_STREAM_PARTITIONS}) "
+                    "and fields starting "
                     f"with {_STREAM_HEAD}, got {clip_repr(parts)} and {clip_repr(fields)}; the "
                     "state is damaged, or from a newer version"
                 )
@@ -522,7 +528,7 @@ def _skip_stream(states: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     before = sum(c[_ROWS] + c[_SKIP] for c in start.values() if c[_PASS] == epoch)
     for r, (new, rp) in enumerate(zip(out, points)):
         for i, w in enumerate(new[S.K_WORKERS]):
-            mine = [p for p in range(parts) if _owner(p, world, k) == (r, i)]
+            mine = _owned(parts, world, k, r, i)
             if not any(p in share for p in mine):
                 continue
             ds = w.get("dataset_state")
@@ -557,7 +563,8 @@ def _stream_table(
             raise _fail(f"{S.K_WORKERS}: {len(rp.workers)} entries for {k} workers; damaged")
         for i, w in enumerate(rp.workers):
             where = f"ranks[{r}]." * (world > 1) + f"{S.K_WORKERS}[{i}]"
-            mine = [p for p in range(parts) if _owner(p, world, k) == (r, i)]
+            mine = _owned(parts, world, k, r, i)
+            reads = set(mine)
             if w.exhausted:
                 ended.update(mine)
             if w.delivered and (w.dataset_state is None or w.state_at != w.delivered):
@@ -575,15 +582,15 @@ def _stream_table(
                 raise _fail(f"{where}.dataset_state: not a Stream's state; it is damaged")
             for p, c in ds.items():
                 if p != "stream":
-                    table[p] = _checked_cursor(p, c, mine, fields, where)
+                    table[p] = _checked_cursor(p, c, reads, fields, where)
     return table, ended
 
 
-def _checked_cursor(p: Any, c: Any, mine: list[int], fields: list[str], where: str) -> list[int]:
+def _checked_cursor(p: Any, c: Any, mine: set[int], fields: list[str], where: str) -> list[int]:
     if type(p) is not int or p not in mine:
         raise _fail(
             f"{where}.dataset_state: key {clip_repr(p)} is not one of the partitions this "
-            f"worker reads ({clip_repr(mine)}); the state is damaged"
+            f"worker reads ({clip_repr(sorted(mine))}); the state is damaged"
         )
     if (
         not isinstance(c, list)

@@ -256,6 +256,10 @@ def test_a_state_without_cursors_is_refused_with_what_to_do() -> None:
     damaged["workers"][0]["dataset_state"][1][3] = -1
     with pytest.raises(CheckpointError, match=r"partition 1 must be a cursor of 7 ints"):
         skip_samples(damaged, 3)
+    crafted = load_state(dump_state(state))
+    crafted["workers"][0]["dataset_state"]["stream"]["partitions"] = 2**62  # no walk of 2**62
+    with pytest.raises(CheckpointError, match=r"expected partitions \(an int in 1\.\.16777216\)"):
+        skip_samples(crafted, 3)
 
 
 def test_a_skip_says_its_rows_are_read_not_delivered() -> None:
