@@ -1,5 +1,6 @@
 """Command line tools: ``python -m resumable_loader inspect PATH [--key KEY] [--json]`` and
 ``python -m resumable_loader skip PATH --samples N [--key KEY] [-o OUT]``.
+``inspect --check`` also checks a Stream's partition cursors (exit status 1 if broken).
 
 ``inspect`` prints a readable summary of a saved loader state: where the loader stands (epoch,
 consumed tasks), what it will re-send (outstanding tasks), and what each worker carries. PATH is a
@@ -15,7 +16,8 @@ directory is several files, which no rename replaces at once: its result is a ne
 OUT (the files copied, the loader's entries rewritten in a file of their own, the metadata
 pointed at it).
 
-Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read.
+Exit status: 0 on success, 2 with a one-line message on stderr for input that cannot be read,
+1 when ``inspect --check`` finds a Stream's cursor table broken.
 
 This module parses the arguments, runs ``inspect`` and maps failures to exit statuses; the work
 is in the modules beside it, each importing only those listed after it:
@@ -25,7 +27,8 @@ is in the modules beside it, each importing only those listed after it:
     readers   PATH read (dump_state / torch.save / DCP) and the loader state found in it
     dcp       DCP directories: entries read as inert data, a changed copy written
     files     regular files only, and a bound on what an unpickled object expands to
-    summary   ``inspect``'s text and JSON (imports only ``messages``)
+    summary   ``inspect``'s text and JSON (imports only ``streams`` and ``messages``)
+    streams   a Stream's block of ``inspect`` and its ``--check``, from the state alone
     messages  ``CliError`` and the helpers its one-line messages are made with
 """
 
@@ -36,10 +39,14 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from ..core.errors import CheckpointError
+from ..state.ranks import is_global, split_global
 from .messages import CliError, kind_of
 from .readers import dig, find_state, key_label, looks_like_state, read_checkpoint
 from .skip import run_skip
+from .streams import check, read_table, table_lines
 from .summary import format_summary, jsonable
 
 
@@ -98,6 +105,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help=(
             'print the whole state as JSON instead (bytes as {"$bytes": BASE64}; non-finite '
             "floats as NaN/Infinity)"
+        ),
+    )
+    inspect.add_argument(
+        "--partitions",
+        action="store_true",
+        help="also print a Stream's cursor table: one line per partition, one column per field",
+    )
+    inspect.add_argument(
+        "--check",
+        action="store_true",
+        help=(
+            "also check a Stream's cursor table (header, each cursor's width and ranges, each "
+            "partition in one worker, the one its layout names); exit status 1 if it breaks one"
         ),
     )
     inspect.set_defaults(run=_inspect)
@@ -159,7 +179,44 @@ def _inspect(args: argparse.Namespace) -> int:
     except RecursionError as exc:  # only a torch.save file can hold a reference cycle
         raise CliError(f"the state in {args.path} holds itself or is nested too deeply") from exc
     print(text)
-    return 0
+    if args.partitions:
+        _partitions(state)
+    return _check(state) if args.check else 0
+
+
+def _partitions(state: dict[str, Any]) -> None:
+    """``inspect --partitions``: a Stream's cursor table (every rank's, for a global state)."""
+    try:
+        table = read_table(split_global(state) if is_global(state) else [state])
+    except CheckpointError as exc:
+        print(f"partitions: the global state is damaged: {exc}")
+        return
+    if table is None:
+        print("partitions: not a Stream's state")
+        return
+    print("\n".join(table_lines(table)))
+
+
+def _check(state: dict[str, Any]) -> int:
+    """``inspect --check``: a Stream's cursor table checked (``cli/streams.py``); 1 if it
+    breaks an invariant, each problem on a line of its own."""
+    try:
+        states = split_global(state) if is_global(state) else [state]
+    except CheckpointError as exc:
+        print(f"check: the global state is damaged: {exc}")
+        return 1
+    table = read_table(states)
+    if table is None:
+        print("check: not a Stream's state; --check checks a Stream's partition cursors")
+        return 0
+    problems = check(table)
+    if not problems:
+        print(f"check: ok ({len(table.cursors)} partition cursors)")
+        return 0
+    print(f"check: {len(problems)} problem" + "s" * (len(problems) != 1))
+    for problem in problems:
+        print(f"  {problem}")
+    return 1
 
 
 def _one_line(text: str) -> str:

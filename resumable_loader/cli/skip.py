@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import stat
+import warnings
 from typing import Any
 
 from ..core.errors import CheckpointError
@@ -62,10 +63,7 @@ def run_skip(args: argparse.Namespace) -> int:
             "state = resumable_loader.skip_samples(state, n) before torch.save"
         )
     keys, state = locate(obj, args.key, args.path, from_dump)
-    try:
-        new = skip_samples(state, args.samples)
-    except CheckpointError as exc:
-        raise CliError(f"{args.path}: {exc}") from exc
+    new = _skipped(state, args.samples, args.path)
     where = f" (key {key_label(keys)!r})" if keys else ""
     if args.samples == 0:
         # Nothing moves: PATH keeps its bytes and its mtime (a rewrite through torch.save is
@@ -97,6 +95,20 @@ def run_skip(args: argparse.Namespace) -> int:
         raise CliError(f"cannot write {out}: {exc.strerror or exc}") from exc
     print(f"skipped {args.samples} samples of the loader state in {args.path}{where}; wrote {out}")
     return 0
+
+
+def _skipped(state: Any, n: int, path: str) -> Any:
+    """``skip_samples(state, n)``; its warnings (a Stream's skipped rows are read at the next
+    start) printed as notes on stdout."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            new = skip_samples(state, n)
+        except CheckpointError as exc:
+            raise CliError(f"{path}: {exc}") from exc
+    for w in caught:
+        print(f"note: {w.message}")
+    return new
 
 
 def _replaced_file(target: str, named: bool) -> os.stat_result | None:
@@ -141,10 +153,7 @@ def _skip_dcp(args: argparse.Namespace) -> int:
         raise CliError(f"{out} exists; -o names a new directory for the result")
     obj = load_dcp(path)
     keys, state = locate(obj, args.key, path, False)
-    try:
-        new = skip_samples(state, args.samples)
-    except CheckpointError as exc:
-        raise CliError(f"{path}: {exc}") from exc
+    new = _skipped(state, args.samples, path)
     where = f"(key {key_label(keys)!r})"
     if args.samples == 0:
         if out is None:

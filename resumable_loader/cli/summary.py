@@ -18,6 +18,7 @@ from ..state.ranks import is_global, split_global
 from ..state.schema import FORMAT as STATE_FORMAT
 from ..state.schema import K_DATASET, K_PLAN, KNOWN_KEYS
 from ..state.seeds import SAMPLER, derive_seed
+from . import streams as ST
 from .messages import SHOW_KEYS
 
 # How much of a long list the summary shows: enough to recognise a task, short enough to read.
@@ -96,6 +97,7 @@ def format_summary(state: dict[Any, Any], source: str = "") -> str:
     else:
         out.field("sampler_state", f"present: {_describe(sampler_state)}")
     _worker_lines(out, state.get("workers", MISSING), state.get("next_worker", MISSING))
+    _stream_lines(out, ST.read_table([state]))
     _skipped_lines(out, state.get("skipped", MISSING))
     _skipped_sample_lines(out, state.get("skipped_samples", MISSING))
     extra = [k for k in state if k not in KNOWN_KEYS]
@@ -115,6 +117,12 @@ def _global_summary(state: dict[Any, Any], source: str) -> str:
     except CheckpointError as exc:
         return f"{head}\n  {exc}"
     parts = [f"{head}\n  world size {len(ranks)} (any number of ranks can load it)"]
+    table = ST.read_table(ranks)
+    if table is not None:
+        job = _Lines()
+        job.line("the job's Stream (every rank's cursors)")
+        _stream_lines(job, table)
+        parts.append(job.text())
     for r, rank_state in enumerate(ranks):
         parts.append(format_summary(rank_state, f"rank {r} of {len(ranks)}"))
     return "\n".join(parts)
@@ -268,6 +276,17 @@ def _worker_lines(out: _Lines, workers: Any, next_worker: Any) -> None:
             f"{_scalar(worker.get('delivered', MISSING)):>9}  {flag:<9}  "
             f"{_scalar(worker.get('state_at', MISSING)):>8}  {ds}"
         )
+
+
+def _stream_lines(out: _Lines, table: ST.StreamTable | None) -> None:
+    """A Stream's block (``cli/streams.py``): its plan and where its partitions stand."""
+    if table is None:
+        return
+    for name, text in ST.lines(table):
+        if name:
+            out.field(name, text)
+        else:
+            out.line(f"{'':17}{text}")
 
 
 def _skipped_lines(out: _Lines, skipped: Any) -> None:
