@@ -470,6 +470,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             length=loader_length(self._plan, self.__len__),
             sampler_generator=self._plan.sampler_generator is not None,
             mixture=mix if isinstance(mix, Mixture) else None,
+            stream=mix if isinstance(mix, Stream) else None,
         )
 
     def _apply(self, plan: ResumePlan) -> None:

@@ -111,6 +111,17 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
         state, shape.config, shape.kind == STATEFUL, dataset=shape.data, dataset_change_ok=True
     )
     D.settle(rp)
+    _check_streams(rp, shape)
+    if rp.iterable:
+        # The loader keeps the workers' dataset states until its workers load them: copies,
+        # so that the caller reusing the dict it passed cannot change the resume.
+        rp = dataclasses.replace(
+            rp,
+            workers=[
+                dataclasses.replace(w, dataset_state=copy.deepcopy(w.dataset_state))
+                for w in rp.workers
+            ],
+        )
     if _redeals(rp, shape):
         return _checked(_redeal(rp, shape), None, shape, policy, notes, False)
     same = _same_batch(state, shape) and (rp.cut is None or shape.kind == BUILTIN)
@@ -368,6 +379,72 @@ def _merged_ranks(states: list[dict[str, Any]], shape: LoaderShape) -> S.ResumeP
     return dataclasses.replace(points[0], workers=[w for p in points for w in p.workers])
 
 
+def _check_streams(rp: S.ResumePoint, shape: LoaderShape) -> None:
+    """Every worker's Stream state checked in the main process, on every layout, before the
+    position is taken: what the worker's ``load_state_dict`` would refuse at its first batch
+    (a damaged cursor, another pipeline) is refused here, on every rank alike; and what no
+    worker could see alone: headers that disagree (one plan for the whole job), a header in
+    another epoch than the loader state's, and a worker state that does not hold exactly the
+    partitions its reader owned.
+
+    Raises:
+        CheckpointError: naming the worker and the field.
+    """
+    stream = shape.stream
+    if stream is None or not rp.iterable:
+        return
+    first: tuple[int, dict[str, Any]] | None = None
+    for i, w in enumerate(rp.workers):
+        st = w.dataset_state
+        if st is None:
+            continue
+        where = f"cannot load DataLoader state: {S.K_WORKERS}[{i}].dataset_state"
+        try:
+            meta, cursors = stream.check_state(st)
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        header = st[P.META_KEY]
+        if meta.epoch != rp.epoch:
+            raise CheckpointError(
+                f"{where}: stream.epoch is {meta.epoch}, the loader state's epoch is "
+                f"{rp.epoch}: a worker's Stream state is always of the loader's epoch. The "
+                "state is damaged."
+            )
+        plan = {k: v for k, v in header.items() if k != "layout"}
+        if first is None:
+            first = (i, plan)
+        elif plan != first[1]:
+            j, other = first
+            field = next(k for k in sorted(set(plan) | set(other)) if plan.get(k) != other.get(k))
+            raise CheckpointError(
+                f"{where}: stream.{field} is {clip_text(repr(plan.get(field)), 60)}, but "
+                f"{S.K_WORKERS}[{j}]'s is {clip_text(repr(other.get(field)), 60)}: a job's "
+                "workers share one Stream plan. The state is damaged."
+            )
+        layout = header.get("layout")
+        try:
+            world, rank = layout["world_size"], layout["rank"]
+            k, wid = layout["num_workers"], layout["worker"]
+            if not all(type(v) is int for v in (world, rank, k, wid)) or not (
+                0 <= rank < world and 0 <= wid < k and world * k <= meta.partitions
+            ):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{where}: stream.layout {clip_text(repr(layout), 80)} does not name the "
+                "reader that saved it (world_size, rank, num_workers, worker). The state is "
+                "damaged."
+            ) from None
+        owned = P.owned(meta.partitions, world, rank, k, wid)
+        if sorted(cursors) != owned:
+            raise CheckpointError(
+                f"{where}: it holds the cursors of partitions "
+                f"{clip_text(repr(sorted(cursors)), 60)}, but its reader (rank {rank} of "
+                f"{world}, worker {wid} of {k}) owned {clip_text(repr(owned), 60)}: a partition "
+                "missing from it would start its pass again. The state is damaged."
+            )
+
+
 def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
     """The position of a Stream's state, re-dealt to this loader's workers.
 
@@ -443,7 +520,11 @@ def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
         # A partition no saved worker had a state for was not begun: its pass's start.
         fresh = P.fresh_cursor(epoch, len(fields))
         mine = {p: table.get(p) or list(fresh) for p in P.owned(parts, world, rank, k, wid)}
-        workers.append(S.WorkerPosition(0, done, {P.META_KEY: meta, **mine}, 0))
+        # The header names the reader that holds it now: a state saved before this loader's
+        # workers run must describe this layout, not the saving one's worker 0.
+        layout = {"world_size": world, "rank": rank, "num_workers": k, "worker": wid}
+        head = dict(meta, layout=layout)
+        workers.append(S.WorkerPosition(0, done, {P.META_KEY: head, **mine}, 0))
     return dataclasses.replace(
         rp,
         consumed=0,
@@ -503,15 +584,15 @@ def _rank_points(states: list[dict[str, Any]], shape: LoaderShape) -> list[S.Res
     points = []
     for r, sd in enumerate(states):
         try:
-            points.append(
-                S.ResumePoint.from_state(
-                    sd,
-                    dict(config, world_size=world, rank=r),
-                    shape.kind == STATEFUL,
-                    dataset=shape.data,
-                    dataset_change_ok=True,
-                )
+            point = S.ResumePoint.from_state(
+                sd,
+                dict(config, world_size=world, rank=r),
+                shape.kind == STATEFUL,
+                dataset=shape.data,
+                dataset_change_ok=True,
             )
+            _check_streams(point, shape)
+            points.append(point)
         except CheckpointError as e:
             if r == config["rank"] and world == config["world_size"]:
                 raise  # this rank's own entry: its error as a rank's own state gives it

@@ -15,6 +15,7 @@ import torch
 from ..plans.index_plan import BUILTIN, DISTRIBUTED, FASTFORWARD, ITERABLE, IndexPlan
 from ..plans.mixture import Mixture
 from ..plans.samplers import recorded_name
+from ..plans.stream import Stream
 
 
 def loader_config(
@@ -73,9 +74,10 @@ def batch_sampler_description(batch_sampler: Any, user_batches: bool) -> str | N
 class LoaderShape:
     """A loader as a resume sees it, taken once per ``load_state_dict()``.
 
-    The values are copies; ``plan`` and ``mixture`` are the loader's own objects, of which the
-    resume plan calls only what reads (``IndexPlan``'s epoch arithmetic, whose share cache is
-    a memo; ``plan_changes`` and ``plan_load``, which validate and build without installing).
+    The values are copies; ``plan``, ``mixture`` and ``stream`` are the loader's own objects, of
+    which the resume plan calls only what reads (``IndexPlan``'s epoch arithmetic, whose share
+    cache is a memo; ``plan_changes`` and ``plan_load``, which validate and build without
+    installing; ``Stream.check_state``).
     """
 
     config: dict[str, Any]  # the state's ``config`` for this loader (``loader_config``)
@@ -90,6 +92,8 @@ class LoaderShape:
     # Whether the sampler draws from a generator of its own (``IndexPlan.sampler_generator``).
     sampler_generator: bool
     mixture: Mixture | None  # the dataset, if it is a Mixture
+    # The dataset, if it is a Stream: its ``check_state`` reads each worker's state (pure).
+    stream: Stream | None = None
 
     @property
     def kind(self) -> str:

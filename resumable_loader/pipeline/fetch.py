@@ -285,6 +285,10 @@ class StreamFetcher:
                 # (or a generator, which runs nothing yet) reports it unchanged: loaded once.
                 ds.load_state_dict(state)
             self.holder = ds
+            if getattr(self.it, "states_its_dataset", False):
+                # The iterator answers for this iteration's state (a Stream's reader): read
+                # it there, so that another iter() of the dataset cannot move it.
+                self.holder = self.it
         else:
             self.it = iter(ds)
             self.holder = self.it if has_state(self.it) else None
@@ -369,6 +373,20 @@ class StreamFetcher:
         """The fetch failed for good (its error goes to the caller): drop its partial batch,
         as torch does."""
         self.partial = []
+
+    def failed_snapshot(self) -> dict[Any, bytes] | None:
+        """After a fetch that failed for good (its error goes to the caller): the state delta
+        as the stream now stands -- the failed batch's rows dropped with it, as torch drops
+        them, and the sample that raised not consumed (a ``Stream`` steps back to it). None
+        where there is no state to take, or the stream ended with the error."""
+        if self.holder is None or self.ended or self.broken:
+            return None
+        try:
+            delta = self.state_delta()
+        except Exception:
+            return None  # the dataset cannot say: the resume replays the fetch, as before
+        self.since_state = 0
+        return delta
 
     def after_fetch(self, fetch_s: float) -> dict[Any, bytes] | None:
         """Count a fetch; return the state delta if a snapshot is due with this result."""

@@ -472,7 +472,12 @@ class _WorkerLoop:
             except Exception:
                 fetcher.count += 1  # the fetch happened; a replay must make it too
                 fetcher.fetch_failed()
-                raise
+                err = WorkerError(f"{self.where} while loading stream batch {payload}")
+                # The state as the stream now stands goes with the error: a resume then
+                # continues where this worker goes on, instead of replaying the failed fetch
+                # (whose raising sample was not consumed) and dropping what the replay reads.
+                delta = fetcher.failed_snapshot()
+                return Result(gen, tid, ERROR, err, delta, 0, fetcher.ended)
             delta = fetcher.after_fetch(time.perf_counter() - t0)
             return Result(gen, tid, OK, data, delta, retries, fetcher.ended)
         except StreamEnd:

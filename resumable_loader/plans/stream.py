@@ -383,11 +383,12 @@ class Stream(IterableDataset):
     def state_dict(self) -> dict[Any, Any]:
         """The position: ``{"stream": plan, p: cursor, ...}`` for the partitions this reader
         holds (all of them with ``num_workers=0`` on one rank). Plain ints, no samples."""
-        out: dict[Any, Any] = {S.META_KEY: self._header()}
         if self._loaded is not None:  # loaded for the next iter(): that is the position now
-            cursors = self._loaded
-        else:
-            cursors = self._reader.cursors if self._reader is not None else {}
+            return self._state_of(self._loaded)
+        return self._state_of(self._reader.cursors if self._reader is not None else {})
+
+    def _state_of(self, cursors: dict[int, list[int]]) -> dict[Any, Any]:
+        out: dict[Any, Any] = {S.META_KEY: self._header()}
         for p in sorted(cursors):
             out[p] = list(cursors[p])
         return out
@@ -400,11 +401,14 @@ class Stream(IterableDataset):
         are copied and compared, so the per-batch cost does not grow with the partitions a
         worker owns. The ``"stream"`` header is always included.
         """
-        reader = self._reader
-        if reader is None or reader.full or self._loaded is not None:
-            if reader is not None:
-                reader.full = False
-                reader.dirty.clear()
+        if self._loaded is not None or self._reader is None:
+            return None
+        return self._changes_of(self._reader)
+
+    def _changes_of(self, reader: _Reader) -> dict[Any, Any] | None:
+        if reader.full:
+            reader.full = False
+            reader.dirty.clear()
             return None
         out: dict[Any, Any] = {S.META_KEY: self._header()}
         cursors = reader.cursors
@@ -413,15 +417,9 @@ class Stream(IterableDataset):
         reader.dirty.clear()
         return out
 
-    def load_state_dict(self, state: dict[Any, Any]) -> None:
-        """Continue from ``state`` at the next ``iter()`` (or at once, when iterating).
-
-        The state's seed, shard order and partitions win over the ones given to
-        ``from_shards`` (an explicit different ``partitions=`` is refused).
-
-        Raises:
-            CheckpointError: the state is malformed or taken on another shard list.
-        """
+    def _parse(self, state: Any) -> tuple[S.StreamMeta, dict[int, list[int]], Any]:
+        """``state`` checked against this Stream: its plan, its cursors (new lists), and the
+        mixture plan it implies (this Stream's, with new weights appended). Changes nothing."""
         header = state.get(S.META_KEY) if isinstance(state, dict) else None
         if self._mix is not None and isinstance(header, dict):
             self._mix.check_header(header.get(M.MIX_KEY))  # names a changed source first
@@ -434,11 +432,34 @@ class Stream(IterableDataset):
             shard_fields=self._mix is None,
             pipeline=tuple(self.pipeline()),
         )
-        if self._mix is not None:
+        mix = self._mix
+        if mix is not None:
             # The sources, and new weights (a segment starts at each partition's position).
-            self._mix = self._mix.adopt(
-                state[S.META_KEY].get(M.MIX_KEY), cursors, len(S.HEAD_FIELDS)
-            )
+            mix = mix.adopt(state[S.META_KEY].get(M.MIX_KEY), cursors, len(S.HEAD_FIELDS))
+        return meta, cursors, mix
+
+    def check_state(self, state: Any) -> tuple[S.StreamMeta, dict[int, list[int]]]:
+        """Check ``state`` as ``load_state_dict`` would, changing nothing: our loader calls it
+        in the main process for every worker's state, so that a damaged or foreign state is
+        refused at ``load_state_dict`` on every rank, not at a worker's first batch.
+
+        Raises:
+            CheckpointError: naming the field, as ``load_state_dict``.
+        """
+        meta, cursors, _ = self._parse(state)
+        return meta, cursors
+
+    def load_state_dict(self, state: dict[Any, Any]) -> None:
+        """Continue from ``state`` at the next ``iter()`` (or at once, when iterating).
+
+        The state's seed, shard order and partitions win over the ones given to
+        ``from_shards`` (an explicit different ``partitions=`` is refused).
+
+        Raises:
+            CheckpointError: the state is malformed or taken on another shard list.
+        """
+        meta, cursors, mix = self._parse(state)
+        self._mix = mix
         self._seed = meta.seed
         self._shuffle = meta.shuffle_shards
         self._partitions = meta.partitions
@@ -575,6 +596,17 @@ class _Reader:
 
     def __iter__(self) -> _Reader:
         return self
+
+    # The state of this iteration (our loader reads it through the reader it iterates, so
+    # another iter() of the same Stream -- a user's look at it with num_workers=0 -- cannot
+    # move the loader's state; ``pipeline/fetch.py`` checks ``states_its_dataset``).
+    states_its_dataset = True
+
+    def state_dict(self) -> dict[Any, Any]:
+        return self.stream._state_of(self.cursors)
+
+    def state_dict_changes(self) -> dict[Any, Any] | None:
+        return self.stream._changes_of(self)
 
     def __next__(self) -> Any:
         heap = self.heap
