@@ -126,12 +126,24 @@ def _tokens(item: Any, key: str | None) -> np.ndarray:
     if isinstance(seq, torch.Tensor):
         seq = seq.numpy()
     arr = np.asarray(seq)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
         raise ValueError(
             f"Stream.pack: {'the item' if key is None else repr(key)} must be a 1-D sequence of "
             f"int tokens, got {type(seq).__name__} of shape {arr.shape} and dtype {arr.dtype}"
         )
     return arr
+
+
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(n: int) -> np.ndarray:
+    """``0 .. n-1`` (int64), cached: a row's positions are slices of it."""
+    a = _ARANGES.get(n)
+    if a is None:
+        a = _ARANGES[n] = np.arange(n, dtype=np.int64)
+        a.flags.writeable = False
+    return a
 
 
 def _row(pieces: list[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -143,22 +155,27 @@ def _row(pieces: list[np.ndarray], seq_len: int, pad_id: int) -> dict[str, np.nd
     ``-100`` at each segment's first token (the token before it is another document's) and on
     padding.
     """
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    used = int(lengths.sum())
+    # A row has a few segments (concat: about seq_len / mean document length + 1): slice
+    # assignments per segment cost less than building index arrays for a vectorised fill.
+    ar = _arange(seq_len)
     ids = np.empty(seq_len, dtype=np.int64)
-    if pieces:
-        np.concatenate(pieces, out=ids[:used], casting="unsafe")
-    ids[used:] = pad_id
-    starts = np.zeros(len(pieces), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    position_ids = np.arange(seq_len, dtype=np.int64)
-    position_ids[:used] -= np.repeat(starts, lengths)
-    position_ids[used:] -= used
-    segment_ids = np.zeros(seq_len, dtype=np.int64)
-    segment_ids[:used] = np.repeat(np.arange(1, len(pieces) + 1, dtype=np.int64), lengths)
+    position_ids = np.empty(seq_len, dtype=np.int64)
+    segment_ids = np.empty(seq_len, dtype=np.int64)
+    starts = []
+    at = 0
+    for k, piece in enumerate(pieces, 1):
+        end = at + len(piece)
+        ids[at:end] = piece
+        position_ids[at:end] = ar[: end - at]
+        segment_ids[at:end] = k
+        starts.append(at)
+        at = end
+    ids[at:] = pad_id
+    position_ids[at:] = ar[: seq_len - at]
+    segment_ids[at:] = 0
     labels = ids.copy()
     labels[starts] = IGNORE_INDEX
-    labels[used:] = IGNORE_INDEX
+    labels[at:] = IGNORE_INDEX
     return {
         "input_ids": ids,
         "position_ids": position_ids,
