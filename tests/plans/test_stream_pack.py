@@ -412,3 +412,30 @@ def test_the_pipeline_and_the_fields_name_the_packer() -> None:
         "fit_rows(seq_len=8,window=4,long=split)",
         *K.COUNTER_FIELDS,
     )
+
+
+def _short(doc: dict[str, Any]) -> bool:
+    return len(doc["input_ids"]) < 25
+
+
+@pytest.mark.parametrize("mode", ["concat", "best_fit"])
+def test_a_filter_before_pack_counts_only_the_documents_it_passes(mode: str) -> None:
+    docs = T.seeded(6, 8, 20, seed=11)
+    s = (
+        Stream.from_shards(docs.shards, docs, partitions=2)
+        .filter(_short)
+        .pack(16, mode=mode, window=4, pad_id=PAD)
+    )
+    rows, states = _run(s)
+    fields = s.cursor_fields()
+    _check_states(states, fields, 16)
+    final = s.state_dict()
+    for p, pdocs in _partition_docs(docs, 2).items():
+        kept = [(d, n) for d, n in pdocs if n < 25]
+        c = dict(zip(fields, final[p]))
+        assert c["tokens_in"] == sum(n for _, n in kept) and c["docs"] == len(kept)
+        assert c["filtered"] == len(pdocs) - len(kept) > 0
+    got = sorted(t for r in rows for t in _used(r).tolist())
+    assert got == sorted(
+        T.token(d, o) for d, n in docs.doc_lengths().items() if n < 25 for o in range(n)
+    )
