@@ -75,6 +75,7 @@ from .pipeline.fetch import RetryPolicy  # noqa: E402
 from .pipeline.stats import LoaderStatistics  # noqa: E402
 from .plans.mixture import Mixture  # noqa: E402
 from .plans.stream import Stream  # noqa: E402
+from .plans.stream_pack import pack_collate  # noqa: E402
 from .state.checkpoint import save_checkpoint  # noqa: E402
 from .state.codec import dump_state, load_state  # noqa: E402
 from .state.ranks import merge_rank_states  # noqa: E402
@@ -95,6 +96,7 @@ __all__ = [
     "dump_state",
     "load_state",
     "merge_rank_states",
+    "pack_collate",
     "save_checkpoint",
     "skip_samples",
 ]

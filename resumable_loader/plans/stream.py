@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..core.errors import CheckpointError
 from . import stream_mix as M
 from . import stream_nodes as N
+from . import stream_pack as K
 from . import streams as S
 from .stream_shuffle import ShuffleStage, check_buffer_size
 
@@ -288,6 +289,48 @@ class Stream(IterableDataset):
             ValueError: ``buffer_size`` is below 1.
         """
         return self._with(ShuffleStage(check_buffer_size(buffer_size)))
+
+    def pack(
+        self,
+        seq_len: int,
+        *,
+        key: str | None = "input_ids",
+        mode: str = "concat",
+        window: int = 1024,
+        pad_id: int = 0,
+        long: str = "split",
+        tail: str = "pad",
+    ) -> Stream:
+        """A new Stream of rows of exactly ``seq_len`` tokens packed from each partition's
+        documents (``item[key]``, a 1-D int sequence; other fields are not kept).
+
+        Each row is a dict of int64 arrays of shape ``[seq_len]``: ``input_ids`` (padded with
+        ``pad_id``), ``position_ids`` (0, 1, ... from each segment's start: a document, or the
+        part of one in this row), ``segment_ids`` (1, 2, ... per segment, 0 on padding) and
+        ``labels`` (the tokens, with -100 at each segment's first token and on padding), so
+        torch's default collate stacks them; ``pack_collate`` flattens a batch for varlen
+        attention. Every token of every document is in exactly one row, or in a counted drop;
+        the cursor counts ``tokens_in == tokens_out + dropped + carry_left``.
+
+        Args:
+            seq_len: the tokens per row.
+            key: the item's token field; None: the item is the token sequence.
+            mode: ``"concat"``: documents one after the other, cut at ``seq_len`` (the rest of
+                a split document starts the next row; padding only at a pass's end).
+                ``"best_fit"``: best-fit-decreasing over windows of ``window`` documents (a
+                document is split only when longer than ``seq_len``).
+            window: best_fit's documents per window (a resume re-reads up to that many).
+            pad_id: the padding token.
+            long: best_fit's documents longer than ``seq_len``: ``"split"`` into pieces of
+                ``seq_len`` tokens, or ``"drop"`` (counted in ``dropped``).
+            tail: concat's last partial row of a partition's pass: ``"pad"`` it (counted in
+                ``pad``) or ``"drop"`` it (counted in ``dropped``).
+
+        Raises:
+            ValueError, TypeError: an argument that cannot work, named with its fix.
+        """
+        K.check_pack_args(seq_len, key, mode, window, pad_id, long, tail)
+        return self._with(K.PackStage(seq_len, key, mode, window, pad_id, long, tail))
 
     # ---- what it is ----
 
@@ -628,8 +671,8 @@ class _Reader:
                 raise
             self.dirty.add(p)
             if item is N.END:
-                # The position at the pass's end: what a mix's sources drew and which ran out
-                # (counted in the state; a source's own position there is its last shard's end).
+                # The pass's final position: what a mix's sources drew and which ran out, a
+                # packer's counters (its dropped tail); a done partition is never sought.
                 c[head:] = chain.position()
                 self._drop(p)
                 if e < self.epoch:

@@ -23,6 +23,7 @@ PUBLIC = [
     "dump_state",
     "load_state",
     "merge_rank_states",
+    "pack_collate",
     "save_checkpoint",
     "skip_samples",
 ]
