@@ -1,21 +1,21 @@
 """The fuzzer as a ``Stream`` user (issue #33): a job cut into segments, each a fresh loader.
 
 One job (drawn once): shards of 0-6 samples (sample ``i`` of shard ``s`` is ``1000 * s + i``),
-a partition count dividing the shard count, and the pipeline -- optionally a ``filter`` and a
-``random_map`` (which pairs each sample with a draw from its own generator). Then a chain of
-segments, as a preempted job lives: each segment builds the loader as the README's quickstart
-does (another ``num_workers`` valid for the partitions, another batch size, persistent or not,
-``in_order`` or not),
-loads the previous segment's state (through dict, ``dump_state`` bytes, ``torch.save`` or json),
-runs the quickstart's ``for epoch in range(state["epoch"], EPOCHS)`` loop, leaves it after some
-batches (``break``), or an exception raised inside the loop), optionally SIGKILLs a worker on
-the way, and saves ``state_dict()``. The last segment runs to the end.
+a partition count dividing the shard count, and the pipeline -- optionally a ``filter``, a
+``shuffle`` and a ``random_map`` (which pairs each sample with a draw from its own
+generator). Then a chain of segments, as a preempted job lives: each segment builds the loader
+as the README's quickstart does (another ``num_workers`` valid for the partitions, another
+batch size, persistent or not, ``in_order`` or not), loads the previous segment's state
+(through dict, ``dump_state`` bytes, ``torch.save`` or json), runs the quickstart's
+``for epoch in range(state["epoch"], EPOCHS)`` loop, leaves it after some batches (``break``,
+or an exception raised inside the loop), optionally SIGKILLs a worker on the way, and saves
+``state_dict()``. The last segment runs to the end.
 
-The model (``_model``) is computed from the docs alone, never from a loader run: pass ``e`` of
-partition ``p`` is the samples of its shards (``deal``, the arithmetic docs/streams.md
-describes) in order, those the filter keeps, each paired with the draw ``random_map`` promises
-(the Stream iterated alone, with no loader, gives it: docs/streams.md says the draw depends on
-the sample's place in its partition only). Checked: every epoch delivers every sample of the
+The model (``_model``) is never a loader run: pass ``e`` of partition ``p`` is the samples of
+its shards (``deal``, the arithmetic docs/streams.md describes), those the filter keeps; their
+order within the partition (in shard order, or the shuffle's) and each sample's ``random_map``
+draw come from the Stream iterated alone, with no loader (docs/streams.md: neither depends on
+the layout). Checked: every epoch delivers every sample of the
 model exactly once, each partition's samples in the model's order, with the model's draws; and
 a segment on the saving layout delivers bit-identically what an uninterrupted run of that layout
 from the same state delivers.
@@ -69,6 +69,7 @@ class Job:
     seed: int
     filtered: bool
     noisy: bool
+    shuffle: int  # 0: none, else the buffer size
 
     def stream(self) -> Stream:
         s = Stream.from_shards(
@@ -79,6 +80,8 @@ class Job:
         )
         if self.filtered:
             s = s.filter(keep)
+        if self.shuffle:
+            s = s.shuffle(self.shuffle)
         if self.noisy:
             s = s.random_map(noisy)
         return s
@@ -101,7 +104,14 @@ def jobs(draw: Any) -> Job:
     n = draw(st.integers(1, 12))
     lengths = tuple(draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)))
     parts = draw(st.sampled_from([p for p in (1, 2, 3, 4, 6, 8, 12) if p <= n]))
-    return Job(lengths, parts, draw(st.integers(0, 3)), draw(st.booleans()), draw(st.booleans()))
+    return Job(
+        lengths,
+        parts,
+        draw(st.integers(0, 3)),
+        draw(st.booleans()),
+        draw(st.booleans()),
+        draw(st.sampled_from([0, 0, 1, 2, 3, 5])),
+    )
 
 
 def segments(job: Job) -> Any:
@@ -120,22 +130,29 @@ def segments(job: Job) -> Any:
 
 
 def _model(job: Job) -> dict[int, dict[int, list[Any]]]:
-    """Epoch -> partition -> its samples in order (with their draws), from the docs."""
-    alone: dict[int, Any] = {}
-    if job.noisy:
-        s = job.stream()
-        for e in range(EPOCHS):
-            s.set_epoch(e)
-            alone[e] = dict(iter(s))  # the Stream alone: sample -> its draw
+    """Epoch -> partition -> its samples in order (with their draws), from the docs: which
+    samples a partition holds is the deal's arithmetic and the filter; their order within the
+    partition (the shuffle's windows) and their draws do not depend on the layout, so the
+    Stream iterated alone, with no loader, gives them."""
     out: dict[int, dict[int, list[Any]]] = {}
+    s = job.stream()
     for e in range(EPOCHS):
         parts = deal(job.seed, e, len(job.lengths), job.partitions, True)
-        out[e] = {}
+        where = {sh: p for p, shards in enumerate(parts) for sh in shards}
+        s.set_epoch(e)
+        alone = list(iter(s))
+        out[e] = {p: [] for p in range(job.partitions)}
+        for x in alone:
+            sample = x[0] if job.noisy else x
+            out[e][where[sample // 1000]].append(x)
         for p, shards in enumerate(parts):
-            xs = [1000 * s + i for s in shards for i in range(job.lengths[s])]
+            xs = [1000 * sh + i for sh in shards for i in range(job.lengths[sh])]
             if job.filtered:
                 xs = [x for x in xs if keep(x)]
-            out[e][p] = [(x, alone[e][x]) if job.noisy else x for x in xs]
+            got = [x[0] if job.noisy else x for x in out[e][p]]
+            assert sorted(got) == sorted(xs), "the Stream alone lost or repeated a sample"
+            if not job.shuffle:
+                assert got == xs, "the Stream alone reordered an unshuffled partition"
     return out
 
 

@@ -83,8 +83,16 @@ FREE_STAGES = ("map:", "random_map:", "filter:")
 
 
 def positional_stages(pipeline: Sequence[str]) -> list[str]:
-    """The stages of ``pipeline`` (``Stream.pipeline()``) a state's positions depend on."""
-    return [name for name in pipeline[1:] if not name.startswith(FREE_STAGES)]
+    """The stages of ``pipeline`` (``Stream.pipeline()``) a state's positions depend on, by
+    what a position means in them: a concat packer's carry is a token count that any
+    ``seq_len`` continues, so its ``seq_len`` is not part of that (a best-fit window's rows
+    are, and keep it)."""
+    out = []
+    for name in pipeline[1:]:
+        if name.startswith(FREE_STAGES):
+            continue
+        out.append("pack:concat" if name.startswith("pack:concat(") else name)
+    return out
 
 
 # ---- how many partitions ----
