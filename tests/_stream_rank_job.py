@@ -18,8 +18,8 @@ SPEC keys: ``out`` (folder), ``phase`` (the name of the files written), ``worker
   state's ``epoch``.
 * ``refuse``: before resuming, try each ``[workers, state file]`` in it and record the
   ``CheckpointError`` (or ``ValueError`` from ``iter()``) it raises.
-* ``end_states``: after epoch 0's StopIteration, save the own state and ``dcp.save`` it to
-  ``OUT/end-dcp``.
+* ``end_states``: after each epoch's StopIteration, save the own state to
+  ``OUT/PHASE-end<e>-rank<r>.state`` and the job's with ``dcp.save`` to ``OUT/PHASE-end<e>-dcp``.
 * ``tail``: the DataLoader's ``stream_tail``.
 
 Each rank writes ``OUT/PHASE-rank<r>.json``: per epoch its batches (lists of samples) in
@@ -46,7 +46,7 @@ from resumable_loader import (
     save_checkpoint,
 )
 
-SHARDS = 30
+SHARDS = 27
 PARTITIONS = 12
 
 
@@ -111,10 +111,11 @@ def main(spec: dict[str, Any]) -> None:
                     write()
                     dist.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)  # a preempted job dies so
-            if epoch == 0 and spec.get("end_states"):
-                own = os.path.join(out, f"end-rank{rank}.state")
+            if spec.get("end_states"):
+                own = os.path.join(out, f"{spec['phase']}-end{epoch}-rank{rank}.state")
                 save_checkpoint(dump_state(loader.state_dict()), own)
-                dcp.save({"loader": loader}, checkpoint_id=os.path.join(out, "end-dcp"))
+                end = os.path.join(out, f"{spec['phase']}-end{epoch}-dcp")
+                dcp.save({"loader": loader}, checkpoint_id=end)
     got["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     write()
     loader.close()
