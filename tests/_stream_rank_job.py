@@ -15,7 +15,7 @@ SPEC keys: ``out`` (folder), ``phase`` (the name of the files written), ``worker
   to ``OUT/own-rank<r>.state``, then SIGKILL this rank (after a barrier: every rank saved).
 * ``dcp`` / ``state``: resume first, through ``dcp.load`` from that folder, or from a state
   file (``load_state``: a merged global state or a rank's own); ``start_epoch`` is the
-  state's ``epoch``.
+  state's ``epoch`` (``{rank}`` in the file's name: each rank its own).
 * ``refuse``: before resuming, try each ``[workers, state file]`` in it and record the
   ``CheckpointError`` (or ``ValueError`` from ``iter()``) it raises.
 * ``end_states``: after each epoch's StopIteration, save the own state to
@@ -93,7 +93,7 @@ def main(spec: dict[str, Any]) -> None:
         dcp.load({"loader": loader}, checkpoint_id=spec["dcp"])
         start = loader.state_dict()["epoch"]
     elif "state" in spec:
-        with open(spec["state"], "rb") as f:
+        with open(spec["state"].format(rank=rank), "rb") as f:
             loader.load_state_dict(load_state(f.read()))
         start = loader.state_dict()["epoch"]  # this rank's, from a global state too
     n = 0

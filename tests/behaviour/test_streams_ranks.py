@@ -239,7 +239,8 @@ def test_states_at_epoch_ends_resume_on_other_layouts_exactly(tmp_path: Path) ->
     """Epoch 0 on 2 ranks x 2 workers, epoch 1 on 3 ranks x 1 worker from its end's DCP
     checkpoint, epoch 2 on 1 rank x 4 workers from the merged states of epoch 1's end: every
     rank of a job gets the same number of batches, each carried tail comes first, and over
-    the three epochs each partition delivered its rows three times over, in order."""
+    the three epochs each partition delivered its rows three times over, in order. On the
+    same layout, each rank's own state at epoch 0's end gives epoch 1 bit-identically."""
     base: dict[str, Any] = {"out": str(tmp_path), "batch": 3, "end_states": True}
     run_ranks(2, dict(base, phase="a", workers=2, epochs=1))
     run_ranks(3, dict(base, phase="b", workers=1, epochs=2, dcp=str(tmp_path / "a-end0-dcp")))
@@ -247,7 +248,14 @@ def test_states_at_epoch_ends_resume_on_other_layouts_exactly(tmp_path: Path) ->
     merged = tmp_path / "b-end1.state"
     save_checkpoint(dump_state(merge_rank_states(states)), str(merged))
     run_ranks(1, dict(base, phase="c", workers=4, epochs=3, state=str(merged)))
+    # The same layout from each rank's own state at epoch 0's end: epoch 1 bit-identical.
+    own = str(tmp_path / "a-end0-rank{rank}.state")
+    run_ranks(2, dict(base, phase="same", workers=2, epochs=2, state=own))
+    same = results(tmp_path, "same", 2)
     a, b, c = (results(tmp_path, x, w) for x, w in (("a", 2), ("b", 3), ("c", 1)))
+    run_ranks(2, dict(base, phase="a2", workers=2, epochs=2))  # the uninterrupted 2 x 2 run
+    a2 = results(tmp_path, "a2", 2)
+    assert [r["epochs"]["1"] for r in same] == [r["epochs"]["1"] for r in a2]
     check_equal_batches(a, range(1))
     check_equal_batches(b, range(1, 2))
     ref = reference()
