@@ -20,7 +20,7 @@ SPEC keys: ``out`` (folder), ``phase`` (the name of the files written), ``worker
   ``CheckpointError`` (or ``ValueError`` from ``iter()``) it raises.
 * ``end_states``: after each epoch's StopIteration, save the own state to
   ``OUT/PHASE-end<e>-rank<r>.state`` and the job's with ``dcp.save`` to ``OUT/PHASE-end<e>-dcp``.
-* ``tail``: the DataLoader's ``stream_tail``.
+* ``tail``: the DataLoader's ``stream_tail``; ``persistent``: ``persistent_workers=True``.
 
 Each rank writes ``OUT/PHASE-rank<r>.json``: per epoch its batches (lists of samples) in
 order, the refusals' messages, and the warnings raised.
@@ -58,6 +58,8 @@ def make_stream() -> Stream:
 
 def make_loader(spec: dict[str, Any], workers: int) -> DataLoader:
     extra: dict[str, Any] = {"stream_tail": spec["tail"]} if "tail" in spec else {}
+    if spec.get("persistent") and workers:
+        extra["persistent_workers"] = True
     return DataLoader(make_stream(), batch_size=spec["batch"], num_workers=workers, **extra)
 
 

@@ -26,7 +26,13 @@ import _stream_shards as F
 import pytest
 from _stream_rank_job import PARTITIONS, SHARDS, make_stream
 
-from resumable_loader import dump_state, load_state, merge_rank_states, save_checkpoint
+from resumable_loader import (
+    DataLoader,
+    dump_state,
+    load_state,
+    merge_rank_states,
+    save_checkpoint,
+)
 
 JOB = Path(__file__).parents[1] / "_stream_rank_job.py"
 # A rank that waits for a peer that never comes (a DDP hang) fails the test here instead of
@@ -195,11 +201,13 @@ def tail_records(state: dict[str, Any]) -> list[dict[str, Any]]:
 def test_ranks_get_equal_batches_and_a_ranks_tail_comes_first_in_the_next_epoch(
     tmp_path: Path,
 ) -> None:
-    """2 ranks x 1 worker, batch 3, two epochs: 17 batches on each rank in each epoch (rank 0
-    holds 19); rank 0's 6 rows left of pass 0 come first in epoch 1, in each partition's
-    order; what it delivered over both epochs is each partition's rows in order, once, and its
-    state at the end says exactly where each partition stands."""
+    """2 ranks x 1 persistent worker, batch 3, two epochs: 17 batches on each rank in each
+    epoch (rank 0 holds 19); rank 0's 6 rows left of pass 0 come first in epoch 1, in each
+    partition's order (the persistent worker is given the delivered cursors, not its own
+    prefetched ones); what it delivered over both epochs is each partition's rows in order,
+    once, and its state at the end says exactly where each partition stands."""
     spec = {"out": str(tmp_path), "phase": "a", "workers": 1, "batch": 3, "epochs": 2}
+    spec["persistent"] = True
     run_ranks(2, dict(spec, end_states=True))
     ranks = results(tmp_path, "a", 2)
     assert check_equal_batches(ranks, range(2)) == 17
@@ -232,6 +240,11 @@ def test_ranks_get_equal_batches_and_a_ranks_tail_comes_first_in_the_next_epoch(
     for p, c in cursors.items():
         pass_, done, rows = c[:3]
         assert len(got[p]) == pass_ * len(ref[p]) + (len(ref[p]) if done else rows), p
+
+
+def test_stream_tail_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"stream_tail must be 'carry', 'drop' or None"):
+        DataLoader(make_stream(), batch_size=2, stream_tail="keep")
 
 
 @pytest.mark.slow
