@@ -290,8 +290,9 @@ class _SingleProgress:
         self.fetcher: Any = None
         self.k = 0  # fetches delivered
         self.exhausted = False
-        # The stream's state before a batch fetched ahead that the ranks' agreement then left
-        # undelivered (the epoch ended): the position, not the stream's own state past it.
+        # A Stream on several ranks: the stream's state before the batch fetched ahead and not
+        # yet delivered (the ranks' agreement decides): the position until it is delivered, and
+        # for good when the agreement ends the epoch before it.
         self.cut_state: Any = None
 
 
@@ -337,6 +338,9 @@ class SingleProcessIter(BaseIter):
         # apart from ``ahead``, because advancing ``consumed`` must not forget what to skip.
         self._skip = set(p.ahead)
         self._owed: list[tuple[int, Any]] = []
+        # A Stream on several ranks: the batch fetched ahead, not yet granted by the ranks'
+        # agreement (its data and retries).
+        self._held: tuple[Any, int] | None = None
         self._rngs = FetchRngs()  # each fetch under its seed, the caller's RNGs kept apart
         # derive_seed(TASK, base, tid) and derive_seed(STREAM, base, 0, k), the fixed part
         # hashed once for the epoch.
@@ -498,17 +502,13 @@ class SingleProcessIter(BaseIter):
         """A Stream on several ranks: fetch the next batch ahead, then agree with the other
         ranks (holding one batch at most, this rank offers 1 or 0) before delivering it."""
         p = self._p
-        holder = p.fetcher.holder
-        before = holder.state_dict() if holder is not None else None
-        data: Any = None
-        ready = 0
-        retries = 0
-        if not p.exhausted:
+        if self._held is None and not p.exhausted:
+            holder = p.fetcher.holder
+            before = holder.state_dict() if holder is not None else None
             seed = self._fetch_seed(p.k)
             try:
                 with self._rngs.seeded(seed):
                     data, retries = self._run(self._fetcher.fetch)
-                ready = 1
             except StreamEnd:
                 p.exhausted = True
             except _INTERRUPTS:
@@ -520,12 +520,19 @@ class SingleProcessIter(BaseIter):
                 p.k += 1
                 p.consumed += 1
                 raise
+            else:
+                # Until it is delivered the position is before it: a cut, an interrupt or an
+                # error in the collective leaves its rows in the stream's state.
+                self._held = (data, retries)
+                p.cut_state = before
+        ready = 0 if self._held is None else 1
         agreed = self._agree(ready)  # type: ignore[misc]
         if agreed == 0:
-            if ready:
-                p.cut_state = before  # the fetched batch stays in the stream: not delivered
             self._cut(ready, 4)
             raise StopIteration
+        assert self._held is not None  # the minimum of the ranks' offers is at most ours
+        (data, retries), self._held = self._held, None
+        p.cut_state = None
         p.k += 1
         p.consumed += 1
         self._counters.retries += retries
