@@ -309,3 +309,47 @@ def test_a_dropped_tail_is_counted_and_the_next_epoch_starts_its_partitions_afre
         assert short <= {p for rec in records for p in rec["partitions"]}
         dropped[e] = sorted(short)
     assert dropped[0], "the shards are uneven: some rank had rows left"
+
+
+# ---- the tail's arithmetic, in one process (one rank: partitions p of worker p mod 2) -------
+def _position() -> Any:
+    """Epoch 0 of 2 workers cut by the agreement: worker 0 ran dry; worker 1 delivered rows of
+    partitions 1 (finished), 3 (4 rows in) and nothing of 5 yet."""
+    from resumable_loader.state.schema import ResumePoint, WorkerPosition
+
+    stream = make_stream()
+    width = len(stream.cursor_fields())
+    meta = stream.state_dict()["stream"]
+    c1, c3 = [0, 1, 7] + [0] * (width - 3), [0, 0, 4] + [0] * (width - 3)
+    state = {"stream": meta, 1: c1, 3: c3}
+    workers = [WorkerPosition(5, True), WorkerPosition(3, False, state, 3)]
+    return stream, ResumePoint(seed=1, epoch=0, iterable=True, workers=workers), width
+
+
+@pytest.mark.parametrize("rule", ["carry", "drop"])
+def test_the_next_epoch_starts_from_the_delivered_cursors_or_drops_them(rule: str) -> None:
+    from resumable_loader.loader.stream_ranks import carry_point, tail_record
+
+    stream, position, width = _position()
+    record = tail_record(stream, position, batches=6, ready=2, rule=rule, num_workers=2)
+    assert record == {
+        "epoch": 0,
+        "rule": rule,
+        "rank": 0,
+        "batches": 6,
+        "ready": 2,
+        "partitions": [3, 5, 7, 9, 11],
+    }
+    nxt = carry_point(stream, position, record, 2)
+    assert nxt.epoch == 1 and nxt.seed is None
+    assert nxt.workers[0].dataset_state is None  # dry: its partitions start pass 1
+    state = nxt.workers[1].dataset_state
+    assert state["stream"]["epoch"] == 1 and state["stream"]["tail"] == record
+    fresh1 = [1] + [0] * (width - 1)
+    assert state[1] == fresh1  # finished in pass 0
+    if rule == "carry":
+        assert state[3] == [0, 0, 4] + [0] * (width - 3)  # its pass 0 goes on first
+        assert state[5] == [0] * width  # nothing delivered: all of pass 0 to come
+    else:
+        assert state[3] == state[5] == fresh1
+    assert sorted(p for p in state if p != "stream") == [1, 3, 5, 7, 9, 11]
