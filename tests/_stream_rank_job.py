@@ -20,7 +20,9 @@ SPEC keys: ``out`` (folder), ``phase`` (the name of the files written), ``worker
   ``CheckpointError`` (or ``ValueError`` from ``iter()``) it raises.
 * ``end_states``: after each epoch's StopIteration, save the own state to
   ``OUT/PHASE-end<e>-rank<r>.state`` and the job's with ``dcp.save`` to ``OUT/PHASE-end<e>-dcp``.
-* ``tail``: the DataLoader's ``stream_tail``; ``persistent``: ``persistent_workers=True``.
+* ``tail``: the DataLoader's ``stream_tail``; ``persistent``: ``persistent_workers=True``;
+  ``in_order``: the DataLoader's; ``new_group``: the loader takes the default group for
+  nccl, so its agreement makes a gloo group of its own.
 
 Each rank writes ``OUT/PHASE-rank<r>.json``: per epoch its batches (lists of samples) in
 order, the refusals' messages, and the warnings raised.
@@ -58,6 +60,8 @@ def make_stream() -> Stream:
 
 def make_loader(spec: dict[str, Any], workers: int) -> DataLoader:
     extra: dict[str, Any] = {"stream_tail": spec["tail"]} if "tail" in spec else {}
+    if "in_order" in spec:
+        extra["in_order"] = spec["in_order"]
     if spec.get("persistent") and workers:
         extra["persistent_workers"] = True
     return DataLoader(make_stream(), batch_size=spec["batch"], num_workers=workers, **extra)
@@ -70,6 +74,12 @@ def main(spec: dict[str, Any]) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if spec.get("new_group"):
+        # As under nccl: the agreement makes a gloo group of its own (the default one is gloo
+        # here, so only the loader is told otherwise).
+        from resumable_loader.loader import stream_ranks
+
+        stream_ranks._default_backend = lambda: "nccl"
     out = spec["out"]
     got: dict[str, Any] = {"epochs": {}, "refused": [], "warnings": []}
 

@@ -68,6 +68,11 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
+def _default_backend() -> str:
+    """The default process group's backend (a function: a test stands in another)."""
+    return str(torch.distributed.get_backend())
+
+
 class Agreement:
     """The ranks' ``all_reduce(MIN)`` of the batches each holds ready, on a gloo group."""
 
@@ -92,7 +97,7 @@ def rank_agreement(dataset: Any, tail: str | None) -> Agreement | None:
     if world == 1:
         return None
     dist = torch.distributed
-    if dist.get_backend() == "gloo":
+    if _default_backend() == "gloo":
         return Agreement(None)
     key = id(dist.group.WORLD)
     if key not in _GLOO:

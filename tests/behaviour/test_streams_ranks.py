@@ -256,7 +256,8 @@ def test_states_at_epoch_ends_resume_on_other_layouts_exactly(tmp_path: Path) ->
     same layout, each rank's own state at epoch 0's end gives epoch 1 bit-identically."""
     base: dict[str, Any] = {"out": str(tmp_path), "batch": 3, "end_states": True}
     run_ranks(2, dict(base, phase="a", workers=2, epochs=1))
-    run_ranks(3, dict(base, phase="b", workers=1, epochs=2, dcp=str(tmp_path / "a-end0-dcp")))
+    end0 = str(tmp_path / "a-end0-dcp")
+    run_ranks(3, dict(base, phase="b", workers=1, epochs=2, dcp=end0, in_order=False))
     states = [load_state((tmp_path / f"b-end1-rank{r}.state").read_bytes()) for r in range(3)]
     merged = tmp_path / "b-end1.state"
     save_checkpoint(dump_state(merge_rank_states(states)), str(merged))
@@ -288,9 +289,11 @@ def test_a_dropped_tail_is_counted_and_the_next_epoch_starts_its_partitions_afre
     tmp_path: Path,
 ) -> None:
     """3 ranks, num_workers=0, ``stream_tail="drop"``: equal batches; each epoch delivers a
-    prefix of each partition's pass (the dropped rows never come); the record names them."""
+    prefix of each partition's pass (the dropped rows never come); the record names them.
+    The default group is taken for nccl's here: the agreement runs on a gloo group of its
+    own."""
     spec = {"out": str(tmp_path), "phase": "a", "workers": 0, "batch": 4, "epochs": 2}
-    run_ranks(3, dict(spec, end_states=True, tail="drop"))
+    run_ranks(3, dict(spec, end_states=True, tail="drop", new_group=True))
     ranks = results(tmp_path, "a", 3)
     ref = reference()
     dropped: dict[int, list[int]] = {}
