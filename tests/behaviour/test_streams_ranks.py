@@ -212,6 +212,9 @@ def test_ranks_get_equal_batches_and_a_ranks_tail_comes_first_in_the_next_epoch(
     ranks = results(tmp_path, "a", 2)
     assert check_equal_batches(ranks, range(2)) == 17
     ref = reference()
+    # Uneven on purpose: alone, rank 0 would deliver 19 batches of pass 0 and rank 1 17.
+    own = [sum(len(ref[p]) for p in range(r, PARTITIONS, 2)) for r in range(2)]
+    assert own == [57, 49]
     got = per_partition([ranks], 2)
     for p in range(PARTITIONS):
         assert got[p] == (ref[p] * 2)[: len(got[p])], p  # in order, nothing twice or skipped
