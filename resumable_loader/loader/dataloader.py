@@ -56,6 +56,7 @@ from .rebuilt import watched_multiprocessing_context
 from .resume import ResumePlan, plan_resume
 from .shape import LoaderShape, batch_sampler_description, loader_config, loader_length
 from .state_out import StateView, dataset_record, delivered_to_its_end, rank_state
+from .stream_ranks import carry_point, check_tail, on_cut, rank_agreement
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -94,6 +95,13 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             does not depend on the batch it is in: values stay identical across changes of
             world size, ``num_workers`` and batch composition. ``__getitems__`` is then not
             used (the samples are fetched one by one). Costs a few microseconds per sample.
+        stream_tail: a ``Stream`` under ``torch.distributed``: the ranks agree on each
+            epoch's number of batches, so that every rank gets the same number (a rank left
+            without a batch would hang DDP); this says what becomes of the rows a rank could
+            not deliver. ``"carry"`` (default): they come first in the next epoch;
+            ``"drop"``: they are skipped (their partitions start the next pass). Counted in
+            one ``RuntimeWarning`` and in the state (docs/streams.md, "Ranks and equal
+            batches"). ``None``: no agreement, each rank runs its partitions to their end.
 
     Methods beyond torch's: ``state_dict()``, ``load_state_dict()``, ``statistics()``,
     ``close()`` and context-manager use.
@@ -130,6 +138,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         stream_state_every: int | None = None,
         snapshot_every_n_steps: int | None = None,
         seed_per_sample: bool = False,
+        stream_tail: str | None = "carry",
     ) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         super().__init__(
@@ -173,6 +182,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             # resume or a respawned worker never replays a fetch.
             self.stream_state_every = 1
         self.seed_per_sample = seed_per_sample
+        self.stream_tail = check_tail(stream_tail)
         chain = self._own_samplers(sampler, batch_sampler)
         self._plan = IndexPlan(dataset, self.sampler, self.batch_sampler, self._auto_collation)
         if chain is None:
@@ -228,11 +238,16 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
     def __iter__(self) -> Any:
         if self._closed:
             raise LoaderClosedError("this DataLoader was closed; build a new one to iterate again")
+        agree = None
         if isinstance(self.dataset, Stream):
             self.dataset.check_readers(self.num_workers)  # here, not in a worker
+            agree = rank_agreement(self.dataset, self.stream_tail)
         # torch's meaning of iter(): a new epoch, also after an abandoned one; a state given
-        # to load_state_dict() is continued instead.
+        # to load_state_dict() is continued instead -- or the tail the ranks' agreement left
+        # of the epoch before, where there is one.
         rp, self._resume = self._resume, None
+        if rp is None:
+            rp = self._carry_point()
         epoch = rp.epoch if rp is not None else self._next_epoch
         # Where the epoch is cut from: a resume with another batch size or a skip moved it.
         self._plan.cut = rp.cut if rp is not None and self._plan.kind == BUILTIN else None
@@ -265,7 +280,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         try:
             if not self._warned_ff and warn_fast_forward(self.dataset, rp):
                 self._warned_ff = True  # once per loader
-            setup = self._epoch_setup(epoch)
+            setup = self._epoch_setup(epoch, agree)
             if self.num_workers == 0:
                 it = SingleProcessIter(setup, rp)
             elif self.persistent_workers:
@@ -284,7 +299,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
         self._cursor = it.cursor
         return it
 
-    def _epoch_setup(self, epoch: int) -> EpochSetup:
+    def _epoch_setup(self, epoch: int, agree: Any = None) -> EpochSetup:
         """What the epoch's iterator takes from this loader (see ``loader.iterators``)."""
         self._pool_gen += 1
         pin = self._force_pin_fn
@@ -321,7 +336,22 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
             length=self.__len__,
             make_supervisor=functools.partial(self._make_supervisor, epoch),
             drop_pool=self._drop_pool,
+            agree=agree,
+            on_cut=(
+                functools.partial(on_cut, self.dataset, self.stream_tail, self.num_workers)
+                if agree is not None
+                else None
+            ),
         )
+
+    def _carry_point(self) -> S.ResumePoint | None:
+        """The start of the next epoch when the ranks' agreement ended the last one with
+        batches left on this rank (``loader.stream_ranks.carry_point``), else None."""
+        cursor = self._cursor
+        if cursor is None or not cursor.finished or cursor.tail is None:
+            return None
+        assert isinstance(self.dataset, Stream) and self.stream_tail is not None
+        return carry_point(self.dataset, cursor.position(), cursor.tail, self.num_workers)
 
     def _generator(self) -> torch.Generator | None:
         """The generator an epoch's seed is drawn from: the loader's, else that of torch's own
@@ -421,6 +451,7 @@ class DataLoader(_TorchDataLoader[T_co], Generic[T_co]):
                 skipped=self._counters.skipped,
                 skipped_samples=self._skipped_samples,
                 num_workers=self.num_workers,
+                carry=self._carry_point(),
             )
         )
 

@@ -96,6 +96,11 @@ class EpochSetup:
     length: Callable[[], int]  # len(loader)
     make_supervisor: Callable[[], Supervisor]
     drop_pool: Callable[[], None]  # a broken epoch's persistent workers are not reused
+    # A Stream on several ranks (``loader.stream_ranks``): ``agree(ready) -> batches`` the
+    # ranks all deliver next (0: the epoch ends on every rank), and ``on_cut(position,
+    # batches, ready)``, the tail record of an epoch it ended with batches left here (it warns).
+    agree: Callable[[int], int] | None = None
+    on_cut: Callable[[Any, int, int, int], Any] | None = None
 
 
 # KeyboardInterrupt and SystemExit (a SIGTERM handler calling sys.exit) are not errors of the
@@ -141,6 +146,10 @@ class BaseIter:
         # is warned about, as torch does (scripts watch for it).
         self._len_reported: int | None = setup.len_reported if self._iterable else None
         self._num_yielded = 0  # batches of this epoch delivered (from the resumed position)
+        # Equal batches on every rank (``loader.stream_ranks``): the batches every rank may
+        # still deliver before the ranks agree again; the same on every rank.
+        self._agree = setup.agree
+        self._credit = 0
 
     def __iter__(self) -> BaseIter:
         return self
@@ -220,6 +229,17 @@ class BaseIter:
         self._counters.skipped.append([self.epoch, tid, indices])
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
+    def _cut(self, ready: int, depth: int) -> None:
+        """The ranks agreed to end the epoch here. With batches left on this rank, record the
+        tail on the cursor (the loader starts the next epoch from it) and warn, at the caller
+        of ``next()`` (``depth`` frames above this one)."""
+        setup = self._setup_of
+        if ready and setup.on_cut is not None:
+            self._cursor.tail = setup.on_cut(
+                self._cursor.position(), self._num_yielded, ready, depth + 1
+            )
+        self._finish()
+
     # ---- transitions out of OPEN (each final) ---------------------------------------------
     def _finish(self) -> None:
         self._cursor.finished = True
@@ -245,7 +265,18 @@ class BaseIter:
 class _SingleProgress:
     """What a num_workers=0 iterator has delivered. Its cursor reads this, not the iterator."""
 
-    __slots__ = ("ahead", "consumed", "drawn", "exhausted", "fetcher", "k", "seed", "source", "tid")
+    __slots__ = (
+        "ahead",
+        "consumed",
+        "cut_state",
+        "drawn",
+        "exhausted",
+        "fetcher",
+        "k",
+        "seed",
+        "source",
+        "tid",
+    )
 
     def __init__(self, rp: S.ResumePoint | None) -> None:
         # Ids > consumed already delivered (in_order=False), for the state.
@@ -259,6 +290,10 @@ class _SingleProgress:
         self.fetcher: Any = None
         self.k = 0  # fetches delivered
         self.exhausted = False
+        # A Stream on several ranks: the stream's state before the batch fetched ahead and not
+        # yet delivered (the ranks' agreement decides): the position until it is delivered, and
+        # for good when the agreement ends the epoch before it.
+        self.cut_state: Any = None
 
 
 def _single_position(
@@ -279,8 +314,13 @@ def _single_position(
         rp.outstanding = sorted(p.drawn.items())
     if rp.iterable:
         holder = None if stateless[0] else p.fetcher.holder
-        state = copy.deepcopy(holder.state_dict()) if holder is not None else None
-        exhausted = p.exhausted or p.fetcher.ended
+        if p.cut_state is not None:
+            state = copy.deepcopy(p.cut_state)
+        else:
+            state = copy.deepcopy(holder.state_dict()) if holder is not None else None
+        # A batch fetched ahead and left undelivered may have run the stream dry: the
+        # position is before it.
+        exhausted = p.exhausted or (p.fetcher.ended and p.cut_state is None)
         rp.workers = [S.WorkerPosition(p.k, exhausted, state, p.k if state is not None else 0)]
     return rp
 
@@ -298,6 +338,9 @@ class SingleProcessIter(BaseIter):
         # apart from ``ahead``, because advancing ``consumed`` must not forget what to skip.
         self._skip = set(p.ahead)
         self._owed: list[tuple[int, Any]] = []
+        # A Stream on several ranks: the batch fetched ahead, not yet granted by the ranks'
+        # agreement (its data and retries).
+        self._held: tuple[Any, int] | None = None
         self._rngs = FetchRngs()  # each fetch under its seed, the caller's RNGs kept apart
         # derive_seed(TASK, base, tid) and derive_seed(STREAM, base, 0, k), the fixed part
         # hashed once for the epoch.
@@ -429,6 +472,8 @@ class SingleProcessIter(BaseIter):
 
     def _next_stream(self) -> Any:
         p = self._p
+        if self._agree is not None:
+            return self._next_agreed()
         if p.exhausted:
             self._finish()
             raise StopIteration
@@ -448,6 +493,46 @@ class SingleProcessIter(BaseIter):
             p.k += 1
             p.consumed += 1
             raise
+        p.k += 1
+        p.consumed += 1
+        self._counters.retries += retries
+        return self._delivered(self._pin(data) if self._pin else data)
+
+    def _next_agreed(self) -> Any:
+        """A Stream on several ranks: fetch the next batch ahead, then agree with the other
+        ranks (holding one batch at most, this rank offers 1 or 0) before delivering it."""
+        p = self._p
+        if self._held is None and not p.exhausted:
+            holder = p.fetcher.holder
+            before = holder.state_dict() if holder is not None else None
+            seed = self._fetch_seed(p.k)
+            try:
+                with self._rngs.seeded(seed):
+                    data, retries = self._run(self._fetcher.fetch)
+            except StreamEnd:
+                p.exhausted = True
+            except _INTERRUPTS:
+                self._stateless[0] = True
+                raise
+            except Exception:
+                # Raised to the caller, as without ranks: an error consumes no credit.
+                self._fetcher.fetch_failed()
+                p.k += 1
+                p.consumed += 1
+                raise
+            else:
+                # Until it is delivered the position is before it: a cut, an interrupt or an
+                # error in the collective leaves its rows in the stream's state.
+                self._held = (data, retries)
+                p.cut_state = before
+        ready = 0 if self._held is None else 1
+        agreed = self._agree(ready)  # type: ignore[misc]
+        if agreed == 0:
+            self._cut(ready, 4)
+            raise StopIteration
+        assert self._held is not None  # the minimum of the ranks' offers is at most ours
+        (data, retries), self._held = self._held, None
+        p.cut_state = None
         p.k += 1
         p.consumed += 1
         self._counters.retries += retries
@@ -614,7 +699,9 @@ class MultiProcessIter(BaseIter):
                     raise exc
                 finally:
                     del exc
-            return self._next_batch()
+            if self._agree is None:
+                return self._next_batch()
+            return self._next_agreed()
         except _INTERRUPTS:
             # Interrupted while results were being taken in: some may be half-handled, so
             # this iterator cannot go on safely. What it delivered is exactly known.
@@ -626,33 +713,89 @@ class MultiProcessIter(BaseIter):
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
             if reorder.ready():
-                tid, item = reorder.pop()
-                # The released slot in the prefetch window goes back to work before the
-                # caller gets the batch, so workers never idle while the caller computes.
-                try:
-                    self._disp.fill()
-                except BaseException as exc:
-                    self._pending = exc  # the batch is released: deliver it first
-                try:
-                    out = self._deliver(tid, item)
-                finally:
-                    # Not kept in this frame: an error raised from the item must not be
-                    # reachable from its own traceback (a cycle holding the iterator).
-                    del item
+                out = self._release()
                 if out is not _SKIP:
                     return self._delivered(out)
                 continue
             if self._epoch_done():
                 self._finish()
                 raise StopIteration
-            now = time.monotonic()
-            wait = self._sup.next_deadline(now) - now
-            if deadline is not None:
-                if now >= deadline:
-                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-                wait = min(wait, deadline - now)
-            self._pump(wait)
-            self._counters.wait_time_s += time.monotonic() - now
+            self._wait(deadline)
+
+    def _release(self) -> Any:
+        """Release the reorder buffer's next item: its batch, or _SKIP (a stream's end, a
+        skipped batch); an error is raised."""
+        tid, item = self._reorder.pop()
+        # The released slot in the prefetch window goes back to work before the caller gets
+        # the batch, so workers never idle while the caller computes.
+        try:
+            self._disp.fill()
+        except BaseException as exc:
+            self._pending = exc  # the batch is released: deliver it first
+        try:
+            return self._deliver(tid, item)
+        finally:
+            # Not kept in this frame: an error raised from the item must not be reachable
+            # from its own traceback (a cycle holding the iterator).
+            del item
+
+    def _wait(self, deadline: float | None) -> None:
+        """Take in what the workers send, for as long as the supervisor's next deadline (and
+        torch's ``timeout``) allow."""
+        now = time.monotonic()
+        wait = self._sup.next_deadline(now) - now
+        if deadline is not None:
+            if now >= deadline:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+            wait = min(wait, deadline - now)
+        self._pump(wait)
+        self._counters.wait_time_s += time.monotonic() - now
+
+    # ---- equal batches on every rank (a Stream under torch.distributed) ---------------------
+    def _next_agreed(self) -> Any:
+        """The next batch, if the ranks' credit allows it (see ``loader.stream_ranks``)."""
+        if self._credit == 0:
+            ready = self._ready_batches()
+            self._credit = self._agree(ready)  # type: ignore[misc]
+            if self._credit == 0:
+                self._cut(ready, 3)
+                raise StopIteration
+        out = self._next_batch()  # one of the batches ready: it cannot end the epoch
+        self._credit -= 1
+        return out
+
+    def _ready_batches(self) -> int:
+        """The batches this rank can deliver without waiting (in the reorder buffer, in
+        delivery order); waits for at least one, or returns 0 at its epoch's end. Ends of
+        streams and skipped batches ahead of the first batch are released here; an error
+        among them is raised (it consumes no credit)."""
+        reorder = self._reorder
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            n = self._count_ready()
+            if n:
+                return n
+            if reorder.ready():
+                self._release()  # no batch is ready: an end, a skip, or an error to raise
+                continue
+            if self._epoch_done():
+                return 0
+            self._wait(deadline)
+
+    def _count_ready(self) -> int:
+        reorder = self._reorder
+        n = 0
+        if not self._in_order:
+            return sum(1 for _, item in reorder.items() if item.status == OK)
+        tid = reorder.rcvd
+        for t, item in reorder.items():
+            if t < tid:
+                continue
+            if t != tid:
+                break  # a gap: the batches after it are not ready in order
+            n += item.status == OK
+            tid += 1
+        return n
 
     def _deliver(self, tid: int, item: Delivery) -> Any:
         self._tasks.delivered(tid, item)

@@ -52,11 +52,14 @@ class Cursor:
     Invariant: exactly one of ``_read`` and ``_frozen`` is set.
     """
 
-    __slots__ = ("_frozen", "_read", "epoch", "finished")
+    __slots__ = ("_frozen", "_read", "epoch", "finished", "tail")
 
     def __init__(self, epoch: int, read: Callable[[], Any]) -> None:
         self.epoch = epoch
         self.finished = False  # the iterator raised StopIteration
+        # A Stream's epoch that the ranks' agreement ended with batches left on this rank:
+        # the tail record (``loader.stream_ranks``); the next epoch starts from it.
+        self.tail: dict[str, Any] | None = None
         self._read: Callable[[], Any] | None = read
         self._frozen: Any = None
 

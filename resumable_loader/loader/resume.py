@@ -410,7 +410,7 @@ def _check_streams(rp: S.ResumePoint, shape: LoaderShape) -> None:
                 f"{rp.epoch}: a worker's Stream state is always of the loader's epoch. The "
                 "state is damaged."
             )
-        plan = {k: v for k, v in header.items() if k != "layout"}
+        plan = {k: v for k, v in header.items() if k not in ("layout", "tail")}
         if first is None:
             first = (i, plan)
         elif plan != first[1]:

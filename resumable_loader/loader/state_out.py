@@ -48,6 +48,9 @@ class StateView:
     skipped: list[list[Any]]
     skipped_samples: list[list[int]]
     num_workers: int
+    # A Stream's next epoch when the ranks' agreement ended the last one with rows left on
+    # this rank: its workers start from the delivered cursors (``loader.stream_ranks``).
+    carry: S.ResumePoint | None = None
 
 
 def dataset_record(dataset: Any) -> dict[str, Any]:
@@ -73,7 +76,7 @@ def rank_state(view: StateView) -> dict[str, Any]:
             rp = epoch_start(plan, rp.epoch + 1, view.num_workers)
             ended = plan.dist_position[0]
     else:
-        rp = epoch_start(plan, view.next_epoch, view.num_workers)
+        rp = view.carry or epoch_start(plan, view.next_epoch, view.num_workers)
         if cursor is not None:  # after StopIteration
             ended = plan.dist_position[0]
     extra: dict[str, Any] = {}

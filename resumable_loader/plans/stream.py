@@ -237,6 +237,9 @@ class Stream(IterableDataset):
         self._reader: _Reader | None = None
         self._stats = {"opens": 0, "seeks": 0, "skipped": 0}
         self._warned = False
+        # The loader's record of the rows the ranks' agreement left at an epoch's end (the
+        # state's stream.tail): kept while this reader continues the cursors it came with.
+        self._tail: dict[str, Any] | None = None
 
     def _with(self, stage: N.Stage) -> Stream:
         """A new Stream with ``stage`` appended (each stage module's builder method calls it)."""
@@ -421,6 +424,8 @@ class Stream(IterableDataset):
         head = self._meta().to_state(self._layout)
         if self._mix is not None:
             head[M.MIX_KEY] = self._mix.header()
+        if self._tail is not None:
+            head["tail"] = dict(self._tail)
         return head
 
     def state_dict(self) -> dict[Any, Any]:
@@ -509,6 +514,8 @@ class Stream(IterableDataset):
         self._epoch = meta.epoch
         layout = state[S.META_KEY].get("layout")
         self._layout = dict(layout) if isinstance(layout, dict) else {}
+        tail = state[S.META_KEY].get("tail")
+        self._tail = dict(tail) if isinstance(tail, dict) else None
         reader = self._reader
         if reader is not None and not reader.started and not reader.closed:
             # Loaded into an iterator that has not yielded yet (torchdata's order: iter()
@@ -550,6 +557,8 @@ class Stream(IterableDataset):
         S.check_layout(self._partitions, world, k)
         parts = S.owned(self._partitions, world, rank, k, wid)
         loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            self._tail = None  # a fresh pass: no record of an earlier epoch's end rides along
         cursors = self._cursors_for(parts, loaded, self._epoch)
         self._layout = {"world_size": world, "rank": rank, "num_workers": k, "worker": wid}
         if self._reader is not None:

@@ -53,8 +53,10 @@ def _run(
     epochs: int = 1,
     make: Callable[[], Stream] = _make,
 ) -> tuple[Run, Any]:
-    """The README's loop: (epoch, batch) pairs, and the state (through the codec) at ``stop``."""
-    loader = DataLoader(make(), batch_size=batch, num_workers=workers)
+    """The README's loop: (epoch, batch) pairs, and the state (through the codec) at ``stop``.
+    (``stream_tail=None``: the ranks some tests simulate run one after the other in this
+    process, so they cannot agree on an epoch's batches.)"""
+    loader = DataLoader(make(), batch_size=batch, num_workers=workers, stream_tail=None)
     start = 0
     if state is not None:
         loader.load_state_dict(state)
@@ -293,7 +295,7 @@ def test_a_global_state_with_a_damaged_stream_cursor_is_refused_by_every_rank_at
     bad = merge_rank_states(states)
     for r in range(2):
         with _as_rank(monkeypatch, 2, r):
-            loader = DataLoader(_make(), batch_size=3, num_workers=2)
+            loader = DataLoader(_make(), batch_size=3, num_workers=2, stream_tail=None)
             with pytest.raises(CheckpointError, match="offset"):
                 loader.load_state_dict(bad)
             del loader

@@ -37,7 +37,9 @@ def _make() -> Stream:
 
 def _run(workers: int, batch: int, state: Any = None, stop: int | None = None) -> tuple[Run, Any]:
     """Epochs 0..EPOCHS-1 from ``state`` (or the start); the state after ``stop`` batches."""
-    loader = DataLoader(_make(), batch_size=batch, num_workers=workers)
+    # stream_tail=None: simulated ranks run one after the other, so they cannot agree on an
+    # epoch's batches (the real ranks' agreement is tests/behaviour/test_streams_ranks.py).
+    loader = DataLoader(_make(), batch_size=batch, num_workers=workers, stream_tail=None)
     start = 0
     if state is not None:
         loader.load_state_dict(state)
@@ -182,7 +184,7 @@ def _job_epoch0(
     ended = False
     for r in range(world):
         with _as_rank(monkeypatch, world, r):
-            loader = DataLoader(_make(), batch_size=batch, num_workers=workers)
+            loader = DataLoader(_make(), batch_size=batch, num_workers=workers, stream_tail=None)
             if state is not None:
                 loader.load_state_dict(state)
             for i, b in enumerate(loader, 1):
@@ -258,7 +260,7 @@ def test_readers_that_do_not_divide_the_partitions_are_refused_by_iter_in_the_ma
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with _as_rank(monkeypatch, 3, 0):
-        loader = DataLoader(_make(), batch_size=3, num_workers=2)
+        loader = DataLoader(_make(), batch_size=3, num_workers=2, stream_tail=None)
         with pytest.raises(ValueError, match=r"3 ranks x 2 workers = 6 readers") as e:
             iter(loader)
     assert "Traceback" not in str(e.value)  # raised here, not re-raised from a worker

@@ -43,7 +43,9 @@ def _run(
     policy: str = "renormalize",
 ) -> tuple[Run, Any]:
     """Epochs 0..EPOCHS-1 from ``state`` (or the start); the state after ``stop`` batches."""
-    loader = DataLoader(_make(weights, policy), batch_size=batch, num_workers=workers)
+    loader = DataLoader(
+        _make(weights, policy), batch_size=batch, num_workers=workers, stream_tail=None
+    )
     start = 0
     if state is not None:
         loader.load_state_dict(state)
@@ -172,7 +174,9 @@ def _job_epoch0(
             m.setattr(torch.distributed, "is_initialized", lambda: True)
             m.setattr(torch.distributed, "get_world_size", lambda *a, **k: world)
             m.setattr(torch.distributed, "get_rank", lambda *a, r=r, **k: r)
-            loader = DataLoader(_make(weights), batch_size=batch, num_workers=workers)
+            loader = DataLoader(
+                _make(weights), batch_size=batch, num_workers=workers, stream_tail=None
+            )
             if state is not None:
                 loader.load_state_dict(state)
             for i, b in enumerate(loader, 1):

@@ -47,7 +47,7 @@ def _run(
     epochs: int = EPOCHS,
 ) -> tuple[Run, Any]:
     """Epochs from ``state`` (or the start); the state after ``stop`` batches."""
-    loader = DataLoader(J.make(mode, SEQ), batch_size=batch, num_workers=workers)
+    loader = DataLoader(J.make(mode, SEQ), batch_size=batch, num_workers=workers, stream_tail=None)
     start = 0
     if state is not None:
         loader.load_state_dict(state)
@@ -240,7 +240,9 @@ def _job_epoch0(
     states = []
     for r in range(world):
         with _as_rank(mp, world, r):
-            loader = DataLoader(J.make(mode, SEQ), batch_size=batch, num_workers=workers)
+            loader = DataLoader(
+                J.make(mode, SEQ), batch_size=batch, num_workers=workers, stream_tail=None
+            )
             if state is not None:
                 loader.load_state_dict(state)
             for i, b in enumerate(loader, 1):

@@ -50,7 +50,9 @@ def _run(
 ) -> tuple[Run, Any]:
     """EPOCHS epochs from ``state`` (or the start): (epoch, batch) pairs, and the state after
     ``stop`` batches."""
-    loader = DataLoader(J.make(B, read), batch_size=batch, num_workers=workers, retry=retry)
+    loader = DataLoader(
+        J.make(B, read), batch_size=batch, num_workers=workers, retry=retry, stream_tail=None
+    )
     start = 0
     if state is not None:
         loader.load_state_dict(state)
@@ -242,7 +244,7 @@ def _job_epoch0(
     states = []
     for r in range(world):
         with _as_rank(mp, world, r):
-            loader = DataLoader(J.make(B), batch_size=batch, num_workers=workers)
+            loader = DataLoader(J.make(B), batch_size=batch, num_workers=workers, stream_tail=None)
             if state is not None:
                 loader.load_state_dict(state)
             for i, b in enumerate(loader, 1):

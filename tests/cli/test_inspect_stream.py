@@ -28,7 +28,7 @@ PARTITIONS = 4
 
 def _state(workers: int = 2, batches: int = 3) -> dict[str, Any]:
     stream = Stream.from_shards(list(range(SHARDS)), F.read, partitions=PARTITIONS).filter(F.odd)
-    loader = DataLoader(stream, batch_size=3, num_workers=workers)
+    loader = DataLoader(stream, batch_size=3, num_workers=workers, stream_tail=None)
     it = iter(loader)
     for _ in range(batches):
         next(it)

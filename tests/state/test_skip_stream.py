@@ -51,7 +51,7 @@ def _make() -> Stream:
 
 def _run(workers: int, batch: int, state: Any = None, stop: int | None = None) -> tuple[Run, Any]:
     """Epochs 0..EPOCHS-1 from ``state`` (or the start); the state after ``stop`` batches."""
-    loader = DataLoader(_make(), batch_size=batch, num_workers=workers)
+    loader = DataLoader(_make(), batch_size=batch, num_workers=workers, stream_tail=None)
     start = 0
     if state is not None:
         loader.load_state_dict(state)
