@@ -31,6 +31,7 @@ import contextlib
 import faulthandler
 import importlib.util
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -166,6 +167,8 @@ def main() -> int:
     p.add_argument("--keep", type=Path, help="keep every run's records under this folder")
     p.add_argument("--schedules", default="", help="comma-separated prefixes (T1,T3,...)")
     args = p.parse_args()
+    # A SIGTERM unwinds like Ctrl-C, so that the harness kills the groups it started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Up to 18 runs of real processes: far more than _common's watchdog allows.
     faulthandler.dump_traceback_later(300 if args.quick else 2400, exit=True)
     if importlib.util.find_spec("torchft") is None or importlib.util.find_spec("torchdata") is None:

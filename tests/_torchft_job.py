@@ -34,6 +34,7 @@ comm hook asserts when a peer dies inside the allreduce (docs/torchft.md).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -282,10 +283,20 @@ def baseline(manager: Any, net: nn.Module, model: nn.Module, opt: Any) -> None:
     if BASELINE_STATE:
         # torchft#309's suggestion: the loader's state travels with the heal.
         manager.register_state_dict_fn("dataloader", loader.load_state_dict, loader.state_dict)
+
+    def batches() -> Any:
+        while True:  # train_ddp.py's `while True: for batch in loader`
+            yield from loader
+
+    # The group joins its first quorum at zero_grad(), after the loader's first batch: only
+    # then is it as ready as ours at `ready` (whose next() joins the quorum before its workers
+    # start), so that the gate holds the live groups until a restarted group really joins.
+    stream = batches()
+    first = next(stream)
     wait_to_start()
     kill_if(manager.current_step(), "top")
-    while manager.current_step() < STOP_STEP:
-        for batch in loader:
+    if manager.current_step() < STOP_STEP:
+        for batch in itertools.chain([first], stream):
             opt.zero_grad()  # the step's quorum starts here, asynchronously
             train_step(manager, net, model, batch, manager.current_step())
             # The quorum is known now (the allreduce waited for it), and with it the step a
