@@ -211,7 +211,11 @@ def lighthouse() -> Any:
     server = LighthouseServer(
         bind="[::]:0",
         min_replicas=1,
-        join_timeout_ms=100,
+        # How long a quorum waits for a live group that has not asked yet (torchft's default
+        # is 60 s). Under load a group can be late by more than a step: with 100 ms, two
+        # groups took turns missing the quorum and healing, and one that missed the epoch's
+        # last quorum formed one of its own (min_replicas=1) and trained that step again.
+        join_timeout_ms=2000,
         quorum_tick_ms=100,
         heartbeat_timeout_ms=1000,
     )
