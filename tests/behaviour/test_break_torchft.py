@@ -1,0 +1,434 @@
+"""Adversarial tests of the torchft integration, written from its user docs (issue #34).
+
+docs/torchft.md promises: under torchft's replica groups every sample of an epoch is used in
+exactly one committed step, whatever groups die or rejoin; a rejoining group resumes from a
+live peer's state; with ``seed_per_sample`` a sample's values are the same whichever group
+trains it; workers, ``Mixture`` and shuffle work as in a plain job; a whole-job stop and
+restart from a checkpoint (DCP or ``save_checkpoint``) keeps the guarantee. Each test here
+tries one way a user could break that; the real-process ones run tests/_break_torchft_job.py
+(one process per replica group, real torchft 0.2.0, gloo on CPU) and are skipped where
+torchft is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "tests" / "_break_torchft_job.py"
+DEADLINE_S = 240.0
+
+
+# ---- real torchft: a lighthouse here, replica groups as processes ----
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by SIGKILL
+            pass
+    return out
+
+
+class Job:
+    """The group processes of one schedule, and their records."""
+
+    def __init__(self, tmp: Path, lighthouse: str, **env: str) -> None:
+        self.tmp = tmp
+        self.env = dict(
+            os.environ,
+            TORCHFT_LIGHTHOUSE=lighthouse,
+            START_FILE=str(tmp / "start"),
+            PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]),
+            **env,
+        )
+        self.gate = tmp / "gate"
+        self.procs: dict[tuple[int, ...], subprocess.Popen[bytes]] = {}
+
+    def path(self, gid: int, inc: int, rank: int = 0) -> Path:
+        return self.tmp / (f"g{gid}.{inc}.jsonl" if rank == 0 else f"g{gid}r{rank}.{inc}.jsonl")
+
+    def start(self, gid: int, inc: int = 0, rank: int = 0, **env: str) -> None:
+        key = (gid, inc) if rank == 0 else (gid, inc, rank)
+        with self.path(gid, inc, rank).with_suffix(".log").open("w") as out:
+            self.procs[key] = subprocess.Popen(
+                [sys.executable, str(JOB)],
+                env=dict(
+                    self.env,
+                    REPLICA_GROUP_ID=str(gid),
+                    INCARNATION=str(inc),
+                    GROUP_RANK=str(rank),
+                    RECORD=str(self.path(gid, inc, rank)),
+                    **env,
+                ),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def wait_for(self, what: str, predicate: Any) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while not predicate():
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out waiting for {what}\n{self.tails()}")
+            time.sleep(0.1)
+
+    def committed_to(self, gid: int, step: int) -> bool:
+        return any(
+            r["ev"] == "outcome" and r["step"] == step and r["committed"]
+            for r in _read(self.path(gid, 0))
+        )
+
+    def go(self) -> None:
+        first = [key for key in self.procs if key[1] == 0]
+        self.wait_for(
+            "the groups to be up",
+            lambda: all(_read(self.path(key[0], 0, *key[2:])) for key in first),
+        )
+        (self.tmp / "start").touch()
+
+    def restart(self, gid: int, inc: int, live: int, gate_step: int, **env: str) -> None:
+        """Start incarnation ``inc`` of ``gid`` once ``live`` is held at ``gate_step``."""
+        self.wait_for(f"g{gid} to die", lambda: self.procs[(gid, inc - 1)].poll() is not None)
+        self.wait_for(f"g{live} at {gate_step}", lambda: self.committed_to(live, gate_step - 1))
+        self.start(gid, inc, 0, **env)
+        self.wait_for(
+            f"g{gid}.{inc} ready",
+            lambda: any(r["ev"] == "ready" for r in _read(self.path(gid, inc))),
+        )
+        self.gate.touch()
+
+    def finish(self, survivors: list[tuple[int, ...]]) -> list[dict[str, Any]]:
+        for key in survivors:
+            try:
+                rc = self.procs[key].wait(timeout=DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{key} did not finish\n{self.tails()}")
+            assert rc == 0, f"{key} exited with {rc}\n{self.tails()}"
+        return [r for p in sorted(self.tmp.glob("*.jsonl")) for r in _read(p)]
+
+    def tails(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.tmp.glob("*.log"))
+        )
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def committed_by_epoch(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Each epoch's samples in the committed attempts (the one with the highest quorum id
+    that committed each step; a dead group's deal in it counts)."""
+    deals: dict[tuple[int, int], list[tuple[int, list[int]]]] = defaultdict(list)
+    committed_q: dict[int, int] = {}
+    for r in records:
+        if r["ev"] == "deal" and r["real"]:
+            deals[(r["step"], r["q"])].append((r["epoch"], r["ids"]))
+        elif r["ev"] == "outcome" and r["committed"]:
+            committed_q[r["step"]] = max(committed_q.get(r["step"], -1), r["q"])
+    out: dict[int, list[int]] = defaultdict(list)
+    for step in sorted(committed_q):
+        for epoch, ids in deals[(step, committed_q[step])]:
+            out[epoch] += ids
+    return dict(out)
+
+
+def assert_exactly_once(records: list[dict[str, Any]], n: int, epochs: int) -> None:
+    got = committed_by_epoch(records)
+    assert sorted(got) == list(range(epochs)), f"epochs committed: {sorted(got)}"
+    for epoch, ids in got.items():
+        missing = sorted(set(range(n)) - set(ids))
+        repeated = sorted(i for i in set(ids) if ids.count(i) > 1)
+        assert not missing and not repeated, f"epoch {epoch}: missing {missing}, twice {repeated}"
+
+
+def assert_values_agree(records: list[dict[str, Any]]) -> None:
+    """A sample's values are the same in every deal of its epoch, whoever dealt it."""
+    seen: dict[tuple[int, int], set[float]] = defaultdict(set)
+    for r in records:
+        if r["ev"] == "deal" and r["real"]:
+            for i, v in zip(r["ids"], r["vals"], strict=True):
+                seen[(r["epoch"], i)].add(round(v, 6))
+    differ = {k: v for k, v in seen.items() if len(v) > 1}
+    assert not differ, f"values differ by group or attempt: {sorted(differ.items())[:5]}"
+
+
+def _first_outcome(path: Path, step: int) -> bool | None:
+    """Whether a group's first attempt at ``step`` committed (None: it made none)."""
+    return next(
+        (r["committed"] for r in _read(path) if r["ev"] == "outcome" and r["step"] == step),
+        None,
+    )
+
+
+@pytest.fixture(scope="module")
+def lighthouse() -> Any:
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=100,
+        quorum_tick_ms=100,
+        heartbeat_timeout_ms=1000,
+    )
+    yield server.address()
+    server.shutdown()
+
+
+@pytest.fixture
+def job(tmp_path: Path, lighthouse: str) -> Any:
+    j = Job(tmp_path, lighthouse)
+    yield j
+    j.close()
+
+
+@pytest.mark.slow
+def test_documented_loop_two_epochs_one_group_fails_alone_another_rejoins_next_epoch(
+    job: Job,
+) -> None:
+    # The loop as docs/torchft.md shows it: no generator (init_sync carries the seeds), two
+    # workers, shuffle, a batch that does not divide the dataset, two epochs. g1 alone
+    # answers should_commit False at step 1; g2 dies at the top of step 2 and comes back in
+    # the second epoch, seven steps later.
+    n = 30
+    job.env.update(N=str(n), BATCH="2", EPOCHS="2", GEN="none")
+    job.start(0, GATE_STEP="9", GATE_FILE=str(job.gate))
+    job.start(1, FAIL_COMMIT_AT="1")
+    job.start(2, KILL_AT="2:top")
+    job.go()
+    job.restart(2, 1, live=0, gate_step=9)
+    records = job.finish([(0, 0), (1, 0), (2, 1)])
+    assert _first_outcome(job.path(1, 0), 1) is False, "g1's commit at step 1 did not fail"
+    assert _first_outcome(job.path(0, 0), 1) is True, "g0 did not commit step 1"
+    assert_exactly_once(records, n, epochs=2)
+    assert_values_agree(records)
+    first = next(r for r in _read(job.path(2, 1)) if r["ev"] == "deal")
+    assert first["step"] >= 9 and first["epoch"] == 1, f"g2 did not heal: {first}"
+
+
+@pytest.mark.slow
+def test_the_group_a_rejoiner_heals_from_dies_while_sending(job: Job) -> None:
+    # g2 dies at the top of step 2 and comes back at step 4; g0 SIGKILLs itself while it
+    # sends its state to g2 (inside torchft's send_checkpoint). g2's heal fails, the step
+    # aborts, and g2 must heal again from g1 and deal the step the survivors deal.
+    n = 36
+    job.env.update(N=str(n), BATCH="2")
+    job.start(0, KILL_SERVING="1")
+    job.start(1, GATE_STEP="4", GATE_FILE=str(job.gate))
+    job.start(2, KILL_AT="2:top")
+    job.go()
+    job.restart(2, 1, live=1, gate_step=4)
+    records = job.finish([(1, 0), (2, 1)])
+    assert any(r["ev"] == "kill" and r["phase"] == "serving" for r in _read(job.path(0, 0))), (
+        "the schedule did not happen: g0 was not g2's heal source"
+    )
+    assert_exactly_once(records, n, epochs=1)
+    assert_values_agree(records)
+
+
+@pytest.mark.slow
+def test_whole_job_stop_and_restart_from_the_documented_checkpoint(job: Job) -> None:
+    # docs/torchft.md, "Whole-job restart": save {model, optim, manager.state_dict(),
+    # trainloader.state_dict()} after optimizer.step(), stop everything, load the manager's
+    # state first and then the loader's. Two groups stop after step 3 of a two-epoch run
+    # (mid-epoch 0) and come back from their own files.
+    n = 26
+    job.env.update(N=str(n), BATCH="3", EPOCHS="2")
+    for gid in (0, 1):
+        job.start(gid, SAVE_AT="3", CKPT=str(job.tmp / f"ckpt{gid}.pt"))
+    job.go()
+    job.finish([(0, 0), (1, 0)])
+    for gid in (0, 1):
+        job.start(gid, 1, RESUME_FROM=str(job.tmp / f"ckpt{gid}.pt"))
+    records = job.finish([(0, 1), (1, 1)])
+    assert_exactly_once(records, n, epochs=2)
+    assert_values_agree(records)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_processes_per_group_one_rank_fails_the_groups_commit(job: Job) -> None:
+    # Two groups of two processes each (the issue asks for this once). Rank 1 of g1 alone
+    # reports an error at step 2: torchft makes the whole of g1 answer should_commit False
+    # (g0 commits), and g1 heals at step 3. Every process deals its own share.
+    n = 40
+    job.env.update(N=str(n), BATCH="2", GROUP_WS="2")
+    for gid in (0, 1):
+        port = str(_free_port())
+        job.start(gid, 0, 0, STORE_PORT=port)
+        job.start(gid, 0, 1, STORE_PORT=port, **({"FAIL_COMMIT_AT": "2"} if gid else {}))
+    job.go()
+    records = job.finish([(0, 0), (0, 0, 1), (1, 0), (1, 0, 1)])
+    assert _first_outcome(job.path(1, 0), 2) is False, "g1's commit at step 2 did not fail"
+    assert _first_outcome(job.path(0, 0), 2) is True, "g0 did not commit step 2"
+    assert_exactly_once(records, n, epochs=1)
+    assert_values_agree(records)
+
+
+# ---- the fake manager (tests/integrations/_fake_torchft.py): fast schedules ----
+
+sys.path.insert(0, str(ROOT / "tests" / "integrations"))
+from _fake_torchft import FakeManager, FakeOptimizer, World  # noqa: E402
+
+from resumable_loader import DataLoader  # noqa: E402
+from resumable_loader.integrations.torchft import ReplicaGroupLoader  # noqa: E402
+
+
+class _StatefulManager(FakeManager):
+    """The fake with torchft's ``Manager.state_dict``/``load_state_dict`` (step and
+    batches committed), which makes it a DCP ``Stateful`` as the real one is."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self._step, "batches_committed": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._step = state["step"]
+
+
+def _shuffled(n: int, b: int) -> DataLoader[Any]:
+    return DataLoader(
+        list(range(n)), batch_size=b, shuffle=True, generator=torch.Generator().manual_seed(3)
+    )
+
+
+def test_dcp_whole_job_restart_with_the_manager_and_loader_as_stateful_objects(
+    tmp_path: Path,
+) -> None:
+    # docs/torchft.md: a whole-job restart from a checkpoint "(DCP or save_checkpoint)";
+    # docs/distributed.md puts the loader object itself in DCP's state, and torchft's
+    # Manager is a Stateful too. dcp.load calls load_state_dict on the Stateful entries in
+    # sorted key order, "loader" before "manager", so the loader sees a manager at step 0.
+    import torch.distributed.checkpoint as dcp
+
+    order = [i for batch in _shuffled(12, 2) for i in batch.tolist()]
+    m = _StatefulManager(World(), "g0")
+    rl = ReplicaGroupLoader(_shuffled(12, 2), m)
+    opt = FakeOptimizer(m)
+    it = iter(rl)
+    for _ in range(2):
+        next(it)
+        opt.zero_grad()
+        assert opt.step()
+    with pytest.warns(UserWarning):  # DCP without a process group: one process
+        dcp.save({"manager": m, "loader": rl}, checkpoint_id=str(tmp_path / "ck"))
+    rl.close()
+
+    m2 = _StatefulManager(World(), "g0")
+    rl2 = ReplicaGroupLoader(_shuffled(12, 2), m2)
+    opt2 = FakeOptimizer(m2)
+    with pytest.warns(UserWarning):
+        dcp.load({"manager": m2, "loader": rl2}, checkpoint_id=str(tmp_path / "ck"))
+    rest: list[int] = []
+    for batch in rl2:
+        opt2.zero_grad()
+        rest += batch.tolist()
+        assert opt2.step()
+    rl2.close()
+    assert m2.current_step() == 6 and rest == order[4:]
+
+
+def test_a_membership_change_that_keeps_the_count_but_moves_the_ranks() -> None:
+    # g1 dies and g3 joins at the same step: still three participants, but g2's rank moves
+    # from 2 to 1. A window dealt for the old ranks must not be served.
+    world = World()
+    groups = {rid: _group(world, rid) for rid in ("g0", "g1", "g2")}
+    committed: list[int] = []
+    for step in range(5):
+        if step == 2:
+            world.leave("g1")
+            groups["g1"][1].close()
+            del groups["g1"]
+            groups["g3"] = _group(world, "g3")
+        dealt = {rid: next(g[3]).tolist() for rid, g in sorted(groups.items())}
+        for g in groups.values():
+            g[2].zero_grad()
+        assert all(g[2].step() for g in groups.values())
+        committed += [i for rid in sorted(dealt) for i in dealt[rid]]
+    for g in groups.values():
+        g[1].close()
+    assert committed == list(range(30))
+
+
+def _group(world: World, rid: str) -> tuple[Any, ...]:
+    m = FakeManager(world, rid)
+    rl = ReplicaGroupLoader(DataLoader(list(range(40)), batch_size=2), m)
+    return m, rl, FakeOptimizer(m), iter(rl)
+
+
+_DEAD_GROUPS = """
+import sys
+sys.path.insert(0, {integrations!r})
+import torch
+from _fake_torchft import FakeManager, FakeOptimizer, World
+from resumable_loader import DataLoader
+from resumable_loader.integrations.torchft import ReplicaGroupLoader
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self):
+        return 7
+    def __getitem__(self, i):
+        return i, torch.rand(())
+
+def group(world, rid):
+    m = FakeManager(world, rid)
+    dl = DataLoader(Items(), batch_size=1, shuffle=True, num_workers=2, persistent_workers=True,
+                    generator=torch.Generator().manual_seed(5), seed_per_sample=True)
+    return m, ReplicaGroupLoader(dl, m), FakeOptimizer(m)
+
+world = World()
+g0, g1 = group(world, "g0"), group(world, "g1")
+it0, it1 = iter(g0[1]), iter(g1[1])
+next(it0); next(it1)
+world.leave("g1"); del g1, it1  # g1 dies after its backward: dropped, never closed
+g0[2].step()
+for _ in range(2):
+    next(it0); g0[2].step()
+g1b = group(world, "g1b"); it1b = iter(g1b[1])  # a new g1 heals from g0
+next(it1b); next(it0)
+world.leave("g1b"); del g1b, it1b  # and dies too
+g0[2].step()
+next(it0); g0[2].step()
+g0[1].close()
+print("end")
+"""
+
+
+def test_groups_dropped_in_one_process_leave_no_finalizer_errors_in_workers() -> None:
+    # The fake-manager style of test (several groups in one process, a dead group's loader
+    # dropped without close()): worker processes forked later run the dropped pools'
+    # finalizers -- closing fds by number they do not own (EBADF) and joining processes
+    # that are not their children -- and print "Exception ignored" to stderr.
+    code = _DEAD_GROUPS.format(integrations=str(ROOT / "tests" / "integrations"))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path])),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "end", out.stderr[-3000:]
+    assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
