@@ -432,3 +432,33 @@ def test_groups_dropped_in_one_process_leave_no_finalizer_errors_in_workers() ->
     )
     assert out.returncode == 0 and out.stdout.strip() == "end", out.stderr[-3000:]
     assert "Exception ignored" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_batch_peeked_before_wrapping_is_not_lost_from_the_first_epoch() -> None:
+    # A user looks at one batch (shapes, a model summary) and then wraps the loader. A plain
+    # loader's next iter() is a whole new epoch; the wrapper silently continues the peeked
+    # epoch from the batch after the peek, so those samples are never trained in it.
+    n = 10
+    loader = _shuffled(n, 2)
+    next(iter(loader))
+    m = FakeManager(World(), "g0")
+    rl = ReplicaGroupLoader(loader, m)
+    opt = FakeOptimizer(m)
+    trained: list[int] = []
+    for batch in rl:
+        opt.zero_grad()
+        trained += batch.tolist()
+        assert opt.step()
+    rl.close()
+    assert sorted(trained) == list(range(n)), f"epoch {rl.epoch} trained {sorted(trained)}"
+
+
+def test_a_new_loader_on_the_same_manager_after_close_is_refused_clearly() -> None:
+    # close() gives the manager its methods back, but the state stays registered under
+    # `key`: wrapping a rebuilt loader (a new epoch's, other workers) on the same manager
+    # fails inside the manager's register_state_dict_fn (torchft 0.2.0 asserts, as the fake
+    # does), with no message saying what to do.
+    m = FakeManager(World(), "g0")
+    ReplicaGroupLoader(_shuffled(8, 2), m).close()
+    with pytest.raises(ValueError, match="key"):
+        ReplicaGroupLoader(_shuffled(8, 2), m)
