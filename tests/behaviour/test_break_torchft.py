@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,111 @@ def test_a_new_loader_on_the_same_manager_after_close_is_refused_clearly() -> No
     ReplicaGroupLoader(_shuffled(8, 2), m).close()
     with pytest.raises(ValueError, match="key"):
         ReplicaGroupLoader(_shuffled(8, 2), m)
+
+
+class _Offset(torch.utils.data.Dataset[int]):
+    """Item ``i`` is ``offset + i``: two sources whose samples do not collide."""
+
+    def __init__(self, n: int, offset: int) -> None:
+        self.n, self.offset = n, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return self.offset + i
+
+
+def _mixture(weight_b: float, seed_per_sample: bool = False) -> DataLoader[Any]:
+    from resumable_loader import Mixture
+
+    mix = Mixture({"a": _Offset(10, 0), "b": _Offset(10, 100)}, {"a": 1, "b": weight_b})
+    return DataLoader(
+        mix,
+        batch_size=2,
+        shuffle=True,
+        seed_per_sample=seed_per_sample,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+def test_a_group_rebuilt_with_other_mixture_weights_is_refused_or_exact() -> None:
+    # docs/torchft.md: "a heal from a group built otherwise is refused with a
+    # CheckpointError naming the difference". g1 comes back with the Mixture's weights
+    # changed (b: 1 -> 4) and heals from g0 at step 2: it is taken in silently (one warning
+    # about samples "delivered ahead out of order"), deals from another order than g0, and
+    # the epoch trains one sample twice and misses another.
+    from resumable_loader import CheckpointError
+
+    world = World()
+    m0 = FakeManager(world, "g0")
+    rl0, opt0 = ReplicaGroupLoader(_mixture(1), m0), FakeOptimizer(m0)
+    it0 = iter(rl0)
+    trained: list[int] = []
+    for _ in range(2):
+        trained += next(it0).tolist()
+        opt0.zero_grad()
+        assert opt0.step()
+    m1 = FakeManager(world, "g1")
+    rl1, opt1 = ReplicaGroupLoader(_mixture(4), m1), FakeOptimizer(m1)
+    it1 = iter(rl1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            while True:
+                try:
+                    dealt = next(it0).tolist() + next(it1).tolist()
+                except StopIteration:
+                    break
+                trained += dealt
+                for opt in (opt0, opt1):
+                    opt.zero_grad()
+                    assert opt.step()
+        except CheckpointError:
+            return  # refused, as the docs say
+    want = [i for batch in _mixture(1) for i in batch.tolist()]
+    assert sorted(trained) == sorted(want), (
+        f"twice {sorted(i for i in set(trained) if trained.count(i) > 1)}, "
+        f"missing {sorted(set(want) - set(trained))}"
+    )
+
+
+def test_a_group_rebuilt_without_seed_per_sample_is_refused_or_draws_the_same_values() -> None:
+    # The same promise for the values: g1 is built without seed_per_sample and heals from
+    # g0 (built with it). Nothing refuses it, and g1's samples get other random values than
+    # g0 would have given them (docs/torchft.md, "Values").
+    from resumable_loader import CheckpointError
+
+    class Drawn(torch.utils.data.Dataset[Any]):
+        def __len__(self) -> int:
+            return 12
+
+        def __getitem__(self, i: int) -> Any:
+            return i, torch.rand(())
+
+    def make(seed_per_sample: bool) -> DataLoader[Any]:
+        return DataLoader(
+            Drawn(),
+            batch_size=2,
+            shuffle=True,
+            seed_per_sample=seed_per_sample,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    want = {i: v for ids, vals in make(True) for i, v in zip(ids.tolist(), vals.tolist())}
+    world = World()
+    m0 = FakeManager(world, "g0")
+    rl0, opt0 = ReplicaGroupLoader(make(True), m0), FakeOptimizer(m0)
+    it0 = iter(rl0)
+    next(it0)
+    opt0.zero_grad()
+    assert opt0.step()
+    m1 = FakeManager(world, "g1")
+    rl1 = ReplicaGroupLoader(make(False), m1)
+    next(it0)
+    try:
+        ids, vals = next(iter(rl1))
+    except CheckpointError:
+        return  # refused: built otherwise
+    got = dict(zip(ids.tolist(), vals.tolist()))
+    assert got == {i: want[i] for i in got}
