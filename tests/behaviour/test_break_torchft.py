@@ -571,3 +571,21 @@ def test_a_group_rebuilt_without_seed_per_sample_is_refused_or_draws_the_same_va
         return  # refused: built otherwise
     got = dict(zip(ids.tolist(), vals.tolist()))
     assert got == {i: want[i] for i in got}
+
+
+@pytest.mark.slow
+def test_empty_shares_at_each_epochs_end_sit_out_and_the_models_agree(job: Job) -> None:
+    # 7 samples, batches of 2, three groups: each epoch's second step has one sample for
+    # three shares, so two groups train a stand-in batch that torchft must zero.
+    n = 7
+    job.env.update(N=str(n), BATCH="2", EPOCHS="2")
+    for gid in (0, 1, 2):
+        job.start(gid)
+    job.go()
+    records = job.finish([(0, 0), (1, 0), (2, 0)])
+    assert any(r["ev"] == "deal" and not r["real"] for r in records), "no empty share"
+    assert_exactly_once(records, n, epochs=2)
+    weights = [torch.load(f"{job.path(gid, 0)}.pt") for gid in (0, 1, 2)]
+    for w in weights[1:]:
+        for name in w:
+            torch.testing.assert_close(w[name], weights[0][name])
