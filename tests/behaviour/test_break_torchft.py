@@ -13,6 +13,8 @@ What fails today (review 34), most serious first:
 
 * ``in_order=False`` is taken in: a batch overtaken by a later one is served as another
   step's share, and after an aborted step the epoch misses two samples and repeats two;
+* ``on_poison="skip"`` is taken in: after a skipped batch every step trains the next
+  step's share, and the epoch's last ``next()`` raises "the dealt window ended early";
 * a group rebuilt with other ``Mixture`` weights heals silently and the epoch trains a
   sample twice and misses another (the docs say such a heal is refused);
 * a whole-job restart with new ``Mixture`` weights (every group built alike) deals another
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -731,3 +734,45 @@ def test_in_order_false_is_refused_or_each_step_gets_its_own_share(tmp_path: Pat
     finally:
         loader.close()
     assert sorted(trained) == list(range(12))
+
+
+class _PoisonTwo(torch.utils.data.Dataset[int]):
+    """Item ``i`` is ``i``; reading item 2 kills the worker (a poison batch)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> int:
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+def test_on_poison_skip_is_refused_or_each_step_gets_its_own_share() -> None:
+    # on_poison="skip" (docs/api.md) drops a batch whose worker keeps dying. Inside the
+    # wrapper's prefetch window every later step is then served the next step's share
+    # (step 1, positions 2-3, trains [4, 5]; step 2 trains [6, 7]; ...), the skip is not
+    # in the wrapper's state, and the epoch's last next() raises "the dealt window ended
+    # early" instead of StopIteration.
+    loader = DataLoader(_PoisonTwo(), batch_size=2, num_workers=2, on_poison="skip")
+    try:
+        m = FakeManager(World(), "g0")
+        try:
+            rl = ReplicaGroupLoader(loader, m)
+        except ValueError:
+            return  # refused: acceptable
+        opt = FakeOptimizer(m)
+        served: dict[int, list[int]] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the skip's own warning
+            for batch in rl:
+                info = rl.last_step
+                assert info is not None
+                served[info.start] = batch.tolist()
+                opt.zero_grad()
+                assert opt.step()
+        rl.close()
+    finally:
+        loader.close()
+    for start, ids in served.items():
+        assert ids == [start, start + 1] or start == 2, f"step at {start} served {ids}"
