@@ -548,7 +548,7 @@ def _retire(cursor: Cursor, sup: Supervisor, owns_sup: bool, pin: PinStage | Non
     try:
         cursor.freeze()
     finally:
-        if pin is not None:
+        if pin is not None and sup.here():  # a forked copy owns no pin thread and no fd
             if not owns_sup:
                 sup.unwatch_extra(pin.wake_fd)  # the persistent pool outlives this pin thread
             pin.close()

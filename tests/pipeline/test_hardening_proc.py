@@ -257,3 +257,38 @@ def test_orphans_in_the_middle_of_a_batch_exit_under_every_start_method(tmp_path
     finally:
         for proc in procs.values():
             _end(proc)
+
+
+# ---- a forked copy of a loader stops nothing ---------------------------------------------------
+def test_a_loader_dropped_in_a_forked_child_stops_none_of_the_parents_workers() -> None:
+    """A process forked while a loader runs (another loader's fork worker, a user's os.fork)
+    holds a copy of it; when that copy is collected there, its finalizer must not stop the
+    parent's workers or close fds by number (found by the torchft review: a dropped loader's
+    pool shut down inside another loader's worker). The parent's epoch goes on unchanged, with
+    the same worker processes."""
+    import gc
+
+    from resumable_loader.testing import worker_pids
+
+    ref = [b.tolist() for b in DataLoader(list(range(40)), batch_size=4, num_workers=2)]
+    loader = DataLoader(
+        list(range(40)), batch_size=4, num_workers=2, multiprocessing_context="fork"
+    )
+    it = iter(loader)
+    got = [next(it).tolist() for _ in range(3)]
+    pids = worker_pids(loader)
+    child = os.fork()
+    if child == 0:  # the child drops its copy and collects it, then leaves without cleanup
+        code = 0
+        try:
+            del it, loader
+            gc.collect()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    got.append(next(it).tolist())
+    assert worker_pids(loader) == pids  # nobody was stopped and replaced
+    got += [b.tolist() for b in it]
+    assert got == ref

@@ -116,6 +116,9 @@ class Supervisor:
         fork_lock: threading.Lock,
     ) -> None:
         self.ctx = ctx if ctx is not None else multiprocessing.get_context()
+        # The process whose workers these are. A copy of this object in a forked child (a
+        # worker of another loader, a user's os.fork) owns none of them: see here().
+        self.pid = os.getpid()
         self._is_fork = self.ctx.get_start_method() == "fork"
         self.make_spec = make_spec
         self.slots = [WorkerSlot(w) for w in range(num_workers)]
@@ -539,11 +542,22 @@ class Supervisor:
         if self.closed:
             assert all(s.state == STOPPED for s in self.slots)
 
+    def here(self) -> bool:
+        """Whether this is the process that started these workers (not a forked copy)."""
+        return os.getpid() == self.pid
+
     def shutdown(self) -> None:
-        """Stop every worker and release every fd; safe to call twice, and from finalizers."""
+        """Stop every worker and release every fd; safe to call twice, and from finalizers.
+
+        In a forked child (a finalizer or a garbage collection that runs in another loader's
+        worker, which inherited this object) it only marks the copy closed: the processes are
+        not the child's to stop, and the fd numbers may by now be the child's own files.
+        """
         if self.closed:
             return
         self.closed = True
+        if not self.here():
+            return
         live = [s for s in self.slots if s.proc is not None]
         for slot in live:
             self.send(slot, Stop())
