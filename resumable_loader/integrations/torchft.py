@@ -521,8 +521,20 @@ def _check_loader(loader: Any) -> tuple[int, int]:
     config = loader.state_dict()["config"]
     if config.get("dataset_kind") != "map":
         raise ValueError(
-            "ReplicaGroupLoader does not deal streams (IterableDataset) yet: they need the "
-            "stream partitions of issue #33. Use a map-style dataset"
+            "ReplicaGroupLoader does not deal streams (IterableDataset): a Stream's rows "
+            "cannot be cut per committed step across live groups yet; use a map-style dataset"
+        )
+    if not getattr(loader, "in_order", True):
+        raise ValueError(
+            "ReplicaGroupLoader needs in_order=True: each step's batch must be that step's "
+            "own share, and with in_order=False a slow batch is overtaken by a later step's "
+            "(samples trained twice and missed); build the loader with in_order=True"
+        )
+    if getattr(loader, "on_poison", "raise") != "raise":
+        raise ValueError(
+            "ReplicaGroupLoader needs on_poison='raise': a skipped batch would shift every "
+            "later step onto the next step's share, and the skip cannot be agreed with the "
+            "other replica groups; build the loader with on_poison='raise' (the default)"
         )
     if config.get("batch_sampler") is not None:
         raise ValueError(

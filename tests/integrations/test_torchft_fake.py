@@ -461,7 +461,9 @@ class _Stream(torch.utils.data.IterableDataset[int]):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"dataset": _Stream(), "batch_size": 2}, "streams .* issue #33"),
+        ({"dataset": _Stream(), "batch_size": 2}, "streams .* per committed step .* map-style"),
+        ({"dataset": list(range(8)), "batch_size": 2, "in_order": False}, "in_order=True"),
+        ({"dataset": list(range(8)), "batch_size": 2, "on_poison": "skip"}, "on_poison='raise'"),
         ({"dataset": list(range(8)), "batch_size": None}, "needs batch_size"),
         ({"dataset": list(range(8)), "batch_size": 2, "drop_last": True}, "drop_last=False"),
         (
