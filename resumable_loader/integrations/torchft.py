@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -142,7 +143,7 @@ class ReplicaGroupLoader:
         self._window_steps = int(window_steps)
         if self._window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, not {window_steps}")
-        _check_manager(manager)
+        _check_manager(manager, key)
         self._per_share, self._epoch_len = _check_loader(loader)
         self._group_rank, self._group_world = _group_of(manager, group_rank, group_world_size)
         self._lock = threading.Lock()
@@ -157,9 +158,13 @@ class ReplicaGroupLoader:
         self._warned_open = False
         self._orig_start = manager.start_quorum
         self._orig_commit = manager.should_commit
-        manager.start_quorum = self._start_quorum
-        manager.should_commit = self._should_commit
-        manager.register_state_dict_fn(key, self._load_from_peer, self._state_for_peer)
+        # What the manager holds of this object goes through a weak reference: the manager
+        # must not keep a dropped loader (and its worker pool) alive as cyclic garbage, whose
+        # pool shutdown would then run wherever a collection happens to run -- in another
+        # loader's forked worker, say.
+        self._hooks = _hooks(weakref.ref(self), key, self._orig_start, self._orig_commit)
+        manager.start_quorum, manager.should_commit = self._hooks[0], self._hooks[1]
+        manager.register_state_dict_fn(key, self._hooks[2], self._hooks[3])
 
     # ---- the manager's wrapped methods ----
 
@@ -442,13 +447,56 @@ class ReplicaGroupLoader:
         return iter(self.loader)
 
     def close(self) -> None:
-        """Give the manager its own ``start_quorum`` and ``should_commit`` back. The state
-        stays registered (torchft cannot unregister it); the inner loader is not closed."""
+        """Give the manager its own ``start_quorum`` and ``should_commit`` back and take the
+        state off its registry, so a new ``ReplicaGroupLoader`` can wrap the same manager.
+        The inner loader is not closed."""
         m = self._manager
-        if m.__dict__.get("start_quorum") == self._start_quorum:
+        start, commit, load, save = self._hooks
+        if m.__dict__.get("start_quorum") is start:
             del m.start_quorum
-        if m.__dict__.get("should_commit") == self._should_commit:
+        if m.__dict__.get("should_commit") is commit:
             del m.should_commit
+        # torchft 0.2.0 has no unregister: its two registries are private dicts.
+        for name, fn in (("_load_state_dict_fns", load), ("_user_state_dicts", save)):
+            registry = getattr(m, name, None)
+            if isinstance(registry, dict) and registry.get(self._key) is fn:
+                del registry[self._key]
+
+
+def _hooks(
+    ref: weakref.ref[ReplicaGroupLoader], key: str, start: Any, commit: Any
+) -> tuple[Any, Any, Any, Any]:
+    """The four functions the manager is given (``start_quorum``, ``should_commit``, and the
+    state's load and save), holding the loader only weakly. A loader dropped without
+    ``close()`` leaves the manager's own methods behind them, and a state that is gone."""
+
+    def gone() -> RuntimeError:
+        return RuntimeError(
+            f"the ReplicaGroupLoader registered under key={key!r} was dropped without "
+            "close(); close() it before dropping it"
+        )
+
+    def start_quorum(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        return start(*args, **kwargs) if me is None else me._start_quorum(*args, **kwargs)
+
+    def should_commit(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        return commit(*args, **kwargs) if me is None else me._should_commit(*args, **kwargs)
+
+    def load(state: dict[str, Any]) -> None:
+        me = ref()
+        if me is None:
+            raise gone()
+        me._load_from_peer(state)
+
+    def save() -> dict[str, Any]:
+        me = ref()
+        if me is None:
+            raise gone()
+        return me._state_for_peer()
+
+    return start_quorum, should_commit, load, save
 
 
 def _first(it: Iterator[Any]) -> Any:
@@ -463,7 +511,7 @@ def _first(it: Iterator[Any]) -> Any:
 # ---- checks ----
 
 
-def _check_manager(manager: Any) -> None:
+def _check_manager(manager: Any, key: str) -> None:
     missing = [name for name in _MANAGER_API if not callable(getattr(manager, name, None))]
     if missing:
         raise ValueError(
@@ -482,8 +530,16 @@ def _check_manager(manager: Any) -> None:
     if "start_quorum" in getattr(manager, "__dict__", {}):
         raise ValueError(
             "this manager's start_quorum is already wrapped (a ReplicaGroupLoader already "
-            "uses it): one ReplicaGroupLoader per manager"
+            "uses it): one ReplicaGroupLoader per manager; close() the old one first"
         )
+    # torchft's register_state_dict_fn fails on a taken key with a bare assert: say it here.
+    for name in ("_load_state_dict_fns", "_user_state_dicts"):
+        registry = getattr(manager, name, None)
+        if isinstance(registry, dict) and key in registry:
+            raise ValueError(
+                f"this manager already has a state registered under key={key!r}: close() "
+                "the ReplicaGroupLoader that registered it, or pass another key="
+            )
 
 
 # The torchft versions whose Manager internals (the quorum in start_quorum, the private

@@ -503,11 +503,13 @@ def test_loaders_it_cannot_deal_are_refused(kwargs: dict[str, Any], match: str) 
 def test_one_loader_per_manager_and_close_restores_it() -> None:
     m = FakeManager(World(), "g0")
     rl = ReplicaGroupLoader(DataLoader(list(range(4)), batch_size=2), m)
-    assert m.start_quorum == rl._start_quorum
+    assert "start_quorum" in m.__dict__ and "should_commit" in m.__dict__
+    assert "resumable_loader" in m._user_state_dicts
     with pytest.raises(ValueError, match="one ReplicaGroupLoader per manager"):
         ReplicaGroupLoader(DataLoader(list(range(4)), batch_size=2), m, key="other")
     rl.close()
     assert "start_quorum" not in m.__dict__ and "should_commit" not in m.__dict__
+    assert not m._user_state_dicts and not m._load_state_dict_fns
 
 
 def test_a_heal_from_a_group_built_otherwise_is_refused() -> None:
