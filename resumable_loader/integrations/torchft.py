@@ -156,6 +156,7 @@ class ReplicaGroupLoader:
         self._iter_epoch = int(self._committed["epoch"])
         self._last: StepInfo | None = None
         self._warned_open = False
+        self._step_due: int | None = None  # a loaded state's step, checked at first use
         self._orig_start = manager.start_quorum
         self._orig_commit = manager.should_commit
         # What the manager holds of this object goes through a weak reference: the manager
@@ -222,6 +223,10 @@ class ReplicaGroupLoader:
     def _load_from_peer(self, state: dict[str, Any]) -> None:
         # Main thread, inside start_quorum: only records; the deal that follows uses it.
         plain = self._check_tagged(state, int(self._manager.current_step()))
+        self._use(plain)
+
+    def _use(self, plain: dict[str, Any]) -> None:
+        self._step_due = None
         with self._lock:
             self._committed = plain
             self._pending = None
@@ -240,14 +245,33 @@ class ReplicaGroupLoader:
         return self._tagged(state, int(self._manager.current_step()))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state_dict()`` (a whole-job restart); load the manager's state
-        first, so that its step matches the one recorded here.
+        """Continue from ``state_dict()`` (a whole-job restart). The manager's state, from the
+        same checkpoint, may be loaded before or after this one (``dcp.load`` loads its
+        ``Stateful`` entries in key order): the step recorded here is checked against the
+        manager's at the next ``iter()`` or ``next()``.
 
         Raises:
-            CheckpointError: the state is not this integration's, or was taken at another
-                step, on other data or with another batch size or group size.
+            CheckpointError: the state is not this integration's, or was taken on other data
+                or with another batch size or group size; at the next ``iter()``/``next()``:
+                it was taken at another step than the manager's.
         """
-        self._load_from_peer(state)
+        plain = self._check_tagged(state, None)
+        self._use(plain)
+        self._step_due = int(state["torchft"]["step"])
+
+    def _check_step_due(self) -> None:
+        """A loaded state's step against the manager's, once both are loaded."""
+        due, self._step_due = self._step_due, None
+        if due is None:
+            return
+        step = int(self._manager.current_step())
+        if due != step:
+            self._step_due = due  # still wrong at the next try
+            raise CheckpointError(
+                f"the loader's state was taken at manager step {due} but the manager is at "
+                f"step {step}: load the manager's state (manager.load_state_dict) from the "
+                "same checkpoint before iterating"
+            )
 
     def _tagged(self, plain: dict[str, Any], step: int) -> dict[str, Any]:
         out = dict(plain)
@@ -261,7 +285,9 @@ class ReplicaGroupLoader:
         }
         return out
 
-    def _check_tagged(self, state: dict[str, Any], step: int) -> dict[str, Any]:
+    def _check_tagged(self, state: dict[str, Any], step: int | None) -> dict[str, Any]:
+        """The plain state of a tagged one, refusing another build (and, with ``step``
+        given, another manager step)."""
         if not isinstance(state, dict) or not isinstance(state.get("torchft"), dict):
             raise CheckpointError(
                 "not a ReplicaGroupLoader state: it has no 'torchft' record (a plain loader's "
@@ -283,7 +309,7 @@ class ReplicaGroupLoader:
                     f"the state was taken with {name}={tag.get(name)!r}, this loader has "
                     f"{name}={mine!r}: every replica group must be built alike"
                 )
-        if tag.get("step") != step:
+        if step is not None and tag.get("step") != step:
             raise CheckpointError(
                 f"the state was taken at manager step {tag.get('step')!r} but the manager is "
                 f"at step {step}: load the manager's state (manager.load_state_dict) first, "
@@ -347,6 +373,7 @@ class ReplicaGroupLoader:
         return self._last
 
     def __iter__(self) -> ReplicaGroupLoader:
+        self._check_step_due()
         self._settle()
         if self._position(self._committed) >= self._epoch_len:
             self._next_epoch()
@@ -361,6 +388,7 @@ class ReplicaGroupLoader:
         return -(-left // (shares * self._per_share))
 
     def __next__(self) -> Any:
+        self._check_step_due()
         self._settle()
         if self._open and self._dealt:
             # A step without should_commit (optimizer.step() skipped): not committed here; if

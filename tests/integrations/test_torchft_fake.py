@@ -392,14 +392,16 @@ def test_state_loads_into_a_plain_loader_and_a_whole_job_restart() -> None:
     plain = DataLoader(list(range(12)), batch_size=5, shuffle=True)
     plain.load_state_dict({k: v for k, v in saved.items() if k != "torchft"})
     assert [i for x in plain for i in x.tolist()] == order[4:]
-    # A whole-job restart: a fresh manager (step 0) refuses the state until its own is back.
+    # A whole-job restart: the loader's state may be loaded before the manager's (dcp.load
+    # loads in key order), but a fresh manager (step 0) is refused at the first next().
     world2 = World()
     m2, rl2, _opt2 = _ft(world2, "g0")
-    with pytest.raises(CheckpointError, match="manager step 2 but the manager is at step 0"):
-        rl2.load_state_dict(saved)
-    m2._step = 2  # manager.load_state_dict({"step": 2, ...})
     rl2.load_state_dict(saved)
     world2.begin_round(["g0"])
+    with pytest.raises(CheckpointError, match="manager step 2 but the manager is at step 0"):
+        next(rl2)
+    assert m2.quorums == 0, "a refused next() opened a quorum"
+    m2._step = 2  # manager.load_state_dict({"step": 2, ...})
     assert next(rl2).tolist() == order[4:6]
 
 
