@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import CheckpointError
-from ..loader.dataloader import DataLoader
+from ..loader.dataloader import DataLoader, own_rank_state
+from ..plans.mixture import Mixture
 from ..plans.replica_deal import share_window, step_take
 from ..state.cursor import Cut
 from ..state.replica import cut_state, position_of, state_at
@@ -147,7 +148,7 @@ class ReplicaGroupLoader:
         self._per_share, self._epoch_len = _check_loader(loader)
         self._group_rank, self._group_world = _group_of(manager, group_rank, group_world_size)
         self._lock = threading.Lock()
-        self._committed = self._normalized(loader.state_dict())
+        self._committed = self._normalized(own_rank_state(loader))
         self._open = False
         self._dealt = False
         self._pending: tuple[int, int] | None = None  # (step, take)
@@ -223,7 +224,32 @@ class ReplicaGroupLoader:
     def _load_from_peer(self, state: dict[str, Any]) -> None:
         # Main thread, inside start_quorum: only records; the deal that follows uses it.
         plain = self._check_tagged(state, int(self._manager.current_step()))
+        self._check_built_alike(state)
         self._use(plain)
+
+    def _check_built_alike(self, state: dict[str, Any]) -> None:
+        """A heal takes a peer's position as it is: refuse a peer whose loader draws other
+        samples or other values there (another ``Mixture`` weighting, ``seed_per_sample``),
+        which the plain resume would otherwise take in silently."""
+        theirs = state["torchft"].get("seed_per_sample")
+        mine = bool(self.loader.seed_per_sample)
+        if theirs != mine:
+            raise CheckpointError(
+                f"the peer's state was taken with seed_per_sample={theirs!r}, this loader has "
+                f"seed_per_sample={mine!r}: every replica group must be built alike (a "
+                "sample's values would depend on the group that trains it)"
+            )
+        mix = self.loader.dataset
+        plan = state.get("data_plan")
+        if isinstance(mix, Mixture) and isinstance(plan, dict) and plan.get("weights"):
+            newest = plan["weights"][-1].get("weights")
+            if newest != mix.weights:
+                raise CheckpointError(
+                    f"the peer's Mixture has weights {newest}, this loader's has "
+                    f"{mix.weights}: every replica group must be built alike. To change "
+                    "the weights, stop the whole job and restart every group with the new "
+                    "ones from a checkpoint (ReplicaGroupLoader.load_state_dict)"
+                )
 
     def _use(self, plain: dict[str, Any]) -> None:
         self._step_due = None
@@ -256,7 +282,11 @@ class ReplicaGroupLoader:
                 it was taken at another step than the manager's.
         """
         plain = self._check_tagged(state, None)
-        self._use(plain)
+        # Through the loader's own resume, at the committed position: what it changes there
+        # (a Mixture built with new weights records them from that position on) is then in
+        # the state every share is cut from, not applied from each share's own place.
+        self.loader.load_state_dict(plain)
+        self._use(self._normalized(own_rank_state(self.loader)))
         self._step_due = int(state["torchft"]["step"])
 
     def _check_step_due(self) -> None:
@@ -282,6 +312,7 @@ class ReplicaGroupLoader:
             "group_world_size": self._group_world,
             "epoch_len": self._epoch_len,
             "batch_size": self._per_share,
+            "seed_per_sample": bool(self.loader.seed_per_sample),
         }
         return out
 
@@ -337,7 +368,7 @@ class ReplicaGroupLoader:
         # iter(), so every group that holds this state draws the same one.
         self.loader.load_state_dict({k: v for k, v in state.items() if k != "sample_cut"})
         iter(self.loader)
-        drawn = self.loader.state_dict()
+        drawn = own_rank_state(self.loader)
         pos = position_of(drawn, self._per_share)
         assert pos is not None and drawn.get("seed") is not None
         return state_at(drawn, pos)
@@ -356,7 +387,7 @@ class ReplicaGroupLoader:
         for _ in self.loader:
             raise AssertionError("an epoch committed to its end still had batches")
         with self._lock:
-            self._committed = self._normalized(self.loader.state_dict())
+            self._committed = self._normalized(own_rank_state(self.loader))
             self._window = None
 
     # ---- iteration ----
@@ -602,7 +633,7 @@ def _check_loader(loader: Any) -> tuple[int, int]:
         raise ValueError(
             f"ReplicaGroupLoader wraps a resumable_loader.DataLoader, not {type(loader).__name__}"
         )
-    config = loader.state_dict()["config"]
+    config = own_rank_state(loader)["config"]
     if config.get("dataset_kind") != "map":
         raise ValueError(
             "ReplicaGroupLoader does not deal streams (IterableDataset): a Stream's rows "
