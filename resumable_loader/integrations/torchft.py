@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import CheckpointError
-from ..loader.dataloader import DataLoader, own_rank_state
+from ..loader.dataloader import DataLoader, own_rank_state, resumes_at_next_iter
 from ..plans.mixture import Mixture
 from ..plans.replica_deal import share_window, step_take
 from ..state.cursor import Cut
@@ -148,13 +148,21 @@ class ReplicaGroupLoader:
         self._per_share, self._epoch_len = _check_loader(loader)
         self._group_rank, self._group_world = _group_of(manager, group_rank, group_world_size)
         self._lock = threading.Lock()
-        self._committed = self._normalized(own_rank_state(loader))
+        start = own_rank_state(loader)
+        if not resumes_at_next_iter(loader) and start.get("seed") is not None:
+            # The loader was iterated before it was wrapped (a batch peeked): as for a plain
+            # loader, its next iter() is a new epoch, whole; the peeked one is left.
+            start = state_at(start, self._epoch_len)
+        self._committed = self._normalized(start)
         self._open = False
         self._dealt = False
         self._pending: tuple[int, int] | None = None  # (step, take)
         self._outcome: tuple[int, bool] | None = None  # (step, should_commit's answer)
         self._window: _Window | None = None
         self._iter_epoch = int(self._committed["epoch"])
+        if self._position(self._committed) >= self._epoch_len:
+            self._next_epoch()
+            self._iter_epoch = int(self._committed["epoch"])
         self._last: StepInfo | None = None
         self._warned_open = False
         self._step_due: int | None = None  # a loaded state's step, checked at first use

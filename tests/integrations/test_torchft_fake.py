@@ -595,3 +595,103 @@ def test_workers_and_pinned_batches_through_a_kill_and_a_heal() -> None:
     torch.testing.assert_close([v for _, v in committed], [v for _, v in want])
     for made in built:
         made.close()
+
+
+# ---- review 34's findings: what the wrapper takes in, and what a heal refuses ----
+
+
+def test_a_loader_iterated_before_wrapping_starts_the_epoch_its_next_iter_would() -> None:
+    # A peeked batch: a plain loader's next iter() is a new epoch, whole; so is the wrapper's.
+    def peeked() -> DataLoader[Any]:
+        dl = DataLoader(
+            list(range(10)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
+        next(iter(dl))
+        return dl
+
+    plain = peeked()
+    want = [i for x in plain for i in x.tolist()]
+    m = FakeManager(World(), "g0")
+    rl, opt = ReplicaGroupLoader(peeked(), m), FakeOptimizer(m)
+    assert len(rl) == 5
+    got: list[int] = []
+    for batch in rl:
+        opt.zero_grad()
+        got += batch.tolist()
+        assert opt.step()
+    assert got == want
+
+
+def _mix(weight_b: float, **kw: Any) -> DataLoader[Any]:
+    mix = Mixture({"a": list(range(10)), "b": list(range(100, 110))}, {"a": 1, "b": weight_b})
+    return DataLoader(
+        mix, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0), **kw
+    )
+
+
+@pytest.mark.parametrize(
+    ("theirs", "mine", "match"),
+    [
+        (
+            {},
+            {"seed_per_sample": True},
+            "seed_per_sample=False, this loader has seed_per_sample=True",
+        ),
+        ({}, {"weight_b": 4}, r"Mixture has weights \{'a': 1, 'b': 1\}, this loader's has"),
+    ],
+)
+def test_a_heal_from_a_group_that_draws_otherwise_is_refused(
+    theirs: dict[str, Any], mine: dict[str, Any], match: str
+) -> None:
+    world = World()
+    m0 = FakeManager(world, "g0")
+    rl0 = ReplicaGroupLoader(_mix(theirs.pop("weight_b", 1), **theirs), m0)
+    next(rl0)
+    assert FakeOptimizer(m0).step()
+    m1 = FakeManager(world, "g1")
+    rl1 = ReplicaGroupLoader(_mix(mine.pop("weight_b", 1), **mine), m1)
+    next(rl0)
+    with pytest.raises(CheckpointError, match=match):
+        next(rl1)
+
+
+def test_after_a_restart_with_new_weights_a_group_built_with_them_heals() -> None:
+    # Every group restarts from the checkpoint with weights b=4; later g1 dies and comes back
+    # built the same way (b=4). Its heal is taken, and the epoch is the plain resume's.
+    world = World()
+    m0 = FakeManager(world, "g0")
+    rl0, opt0 = ReplicaGroupLoader(_mix(1), m0), FakeOptimizer(m0)
+    trained: list[int] = []
+    for _ in range(2):
+        trained += next(rl0).tolist()
+        assert opt0.step()
+    saved = rl0.state_dict()
+    rl0.close()
+    world2 = World()
+    m0 = FakeManager(world2, "g0")
+    m0._step = saved["torchft"]["step"]
+    rl0, opt0 = ReplicaGroupLoader(_mix(4), m0), FakeOptimizer(m0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loader's own note of the new weights
+        rl0.load_state_dict(saved)
+    trained += next(rl0).tolist()
+    assert opt0.step()
+    m1 = FakeManager(world2, "g1")
+    rl1, opt1 = ReplicaGroupLoader(_mix(4), m1), FakeOptimizer(m1)
+    while True:
+        try:
+            dealt = next(rl0).tolist() + next(rl1).tolist()
+        except StopIteration:
+            break
+        trained += dealt
+        assert opt0.step() and opt1.step()
+    assert m1.heals, "g1 did not heal from g0"
+    plain = _mix(1)
+    it = iter(plain)
+    want = [i for _ in range(2) for i in next(it).tolist()]
+    resumed = _mix(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.load_state_dict(plain.state_dict())
+    want += [i for x in resumed for i in x.tolist()]
+    assert sorted(trained) == sorted(want)
