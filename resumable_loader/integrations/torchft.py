@@ -112,8 +112,11 @@ class ReplicaGroupLoader:
 
     Args:
         loader: a map-style ``DataLoader`` under its built-in order (``shuffle=True/False``,
-            a ``Mixture`` under either), ``batch_size`` set, ``drop_last=False``. Workers,
-            ``pin_memory`` and ``seed_per_sample`` work as in a plain job.
+            a ``Mixture`` under either), ``batch_size`` set, ``drop_last=False``,
+            ``in_order=True``, ``on_poison="raise"``. Workers, ``pin_memory`` and
+            ``seed_per_sample`` work as in a plain job. Its position is taken as its next
+            ``iter()`` would begin: a state given to its ``load_state_dict()`` continues; a
+            loader already iterated (a batch peeked) begins its next epoch.
         manager: a torchft ``Manager`` built with ``use_async_quorum=False``.
         key: the name the state is registered under (``register_state_dict_fn``).
         group_rank: this process's rank in its replica group; default: the manager's, else
@@ -421,7 +424,9 @@ class ReplicaGroupLoader:
 
     def __len__(self) -> int:
         """Steps left in the committed epoch if every step from now commits with the last
-        step's participants (one participating group before the first step)."""
+        step's participants. Before the first step the participants are not known yet (the
+        quorum comes with the first ``next()``): it counts this group alone, an upper bound
+        that shrinks once other groups join."""
         shares = self._last.shares if self._last is not None else self._group_world
         left = self._epoch_len - self._position(self._settled())
         return -(-left // (shares * self._per_share))

@@ -9,7 +9,8 @@ tries one way a user could break that; the real-process ones run tests/_break_to
 (one process per replica group, real torchft 0.2.0, gloo on CPU), are behind --run-slow
 and are skipped where torchft is not installed.
 
-What fails today (review 34), most serious first:
+What failed at the review (34), most serious first -- all fixed on branch f34-fix (a refusal
+at wrap or heal time, or the promise kept; docs/torchft.md, "What is refused, and why"):
 
 * ``in_order=False`` is taken in: a batch overtaken by a later one is served as another
   step's share, and after an aborted step the epoch misses two samples and repeats two;
