@@ -25,12 +25,14 @@ import os
 import re
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import CheckpointError
-from ..loader.dataloader import DataLoader
+from ..loader.dataloader import DataLoader, own_rank_state, resumes_at_next_iter
+from ..plans.mixture import Mixture
 from ..plans.replica_deal import share_window, step_take
 from ..state.cursor import Cut
 from ..state.replica import cut_state, position_of, state_at
@@ -110,8 +112,11 @@ class ReplicaGroupLoader:
 
     Args:
         loader: a map-style ``DataLoader`` under its built-in order (``shuffle=True/False``,
-            a ``Mixture`` under either), ``batch_size`` set, ``drop_last=False``. Workers,
-            ``pin_memory`` and ``seed_per_sample`` work as in a plain job.
+            a ``Mixture`` under either), ``batch_size`` set, ``drop_last=False``,
+            ``in_order=True``, ``on_poison="raise"``. Workers, ``pin_memory`` and
+            ``seed_per_sample`` work as in a plain job. Its position is taken as its next
+            ``iter()`` would begin: a state given to its ``load_state_dict()`` continues; a
+            loader already iterated (a batch peeked) begins its next epoch.
         manager: a torchft ``Manager`` built with ``use_async_quorum=False``.
         key: the name the state is registered under (``register_state_dict_fn``).
         group_rank: this process's rank in its replica group; default: the manager's, else
@@ -142,24 +147,37 @@ class ReplicaGroupLoader:
         self._window_steps = int(window_steps)
         if self._window_steps < 1:
             raise ValueError(f"window_steps must be >= 1, not {window_steps}")
-        _check_manager(manager)
+        _check_manager(manager, key)
         self._per_share, self._epoch_len = _check_loader(loader)
         self._group_rank, self._group_world = _group_of(manager, group_rank, group_world_size)
         self._lock = threading.Lock()
-        self._committed = self._normalized(loader.state_dict())
+        start = own_rank_state(loader)
+        if not resumes_at_next_iter(loader) and start.get("seed") is not None:
+            # The loader was iterated before it was wrapped (a batch peeked): as for a plain
+            # loader, its next iter() is a new epoch, whole; the peeked one is left.
+            start = state_at(start, self._epoch_len)
+        self._committed = self._normalized(start)
         self._open = False
         self._dealt = False
         self._pending: tuple[int, int] | None = None  # (step, take)
         self._outcome: tuple[int, bool] | None = None  # (step, should_commit's answer)
         self._window: _Window | None = None
         self._iter_epoch = int(self._committed["epoch"])
+        if self._position(self._committed) >= self._epoch_len:
+            self._next_epoch()
+            self._iter_epoch = int(self._committed["epoch"])
         self._last: StepInfo | None = None
         self._warned_open = False
+        self._step_due: int | None = None  # a loaded state's step, checked at first use
         self._orig_start = manager.start_quorum
         self._orig_commit = manager.should_commit
-        manager.start_quorum = self._start_quorum
-        manager.should_commit = self._should_commit
-        manager.register_state_dict_fn(key, self._load_from_peer, self._state_for_peer)
+        # What the manager holds of this object goes through a weak reference: the manager
+        # must not keep a dropped loader (and its worker pool) alive as cyclic garbage, whose
+        # pool shutdown would then run wherever a collection happens to run -- in another
+        # loader's forked worker, say.
+        self._hooks = _hooks(weakref.ref(self), key, self._orig_start, self._orig_commit)
+        manager.start_quorum, manager.should_commit = self._hooks[0], self._hooks[1]
+        manager.register_state_dict_fn(key, self._hooks[2], self._hooks[3])
 
     # ---- the manager's wrapped methods ----
 
@@ -217,6 +235,35 @@ class ReplicaGroupLoader:
     def _load_from_peer(self, state: dict[str, Any]) -> None:
         # Main thread, inside start_quorum: only records; the deal that follows uses it.
         plain = self._check_tagged(state, int(self._manager.current_step()))
+        self._check_built_alike(state)
+        self._use(plain)
+
+    def _check_built_alike(self, state: dict[str, Any]) -> None:
+        """A heal takes a peer's position as it is: refuse a peer whose loader draws other
+        samples or other values there (another ``Mixture`` weighting, ``seed_per_sample``),
+        which the plain resume would otherwise take in silently."""
+        theirs = state["torchft"].get("seed_per_sample")
+        mine = bool(self.loader.seed_per_sample)
+        if theirs != mine:
+            raise CheckpointError(
+                f"the peer's state was taken with seed_per_sample={theirs!r}, this loader has "
+                f"seed_per_sample={mine!r}: every replica group must be built alike (a "
+                "sample's values would depend on the group that trains it)"
+            )
+        mix = self.loader.dataset
+        plan = state.get("data_plan")
+        if isinstance(mix, Mixture) and isinstance(plan, dict) and plan.get("weights"):
+            newest = plan["weights"][-1].get("weights")
+            if newest != mix.weights:
+                raise CheckpointError(
+                    f"the peer's Mixture has weights {newest}, this loader's has "
+                    f"{mix.weights}: every replica group must be built alike. To change "
+                    "the weights, stop the whole job and restart every group with the new "
+                    "ones from a checkpoint (ReplicaGroupLoader.load_state_dict)"
+                )
+
+    def _use(self, plain: dict[str, Any]) -> None:
+        self._step_due = None
         with self._lock:
             self._committed = plain
             self._pending = None
@@ -235,14 +282,37 @@ class ReplicaGroupLoader:
         return self._tagged(state, int(self._manager.current_step()))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state_dict()`` (a whole-job restart); load the manager's state
-        first, so that its step matches the one recorded here.
+        """Continue from ``state_dict()`` (a whole-job restart). The manager's state, from the
+        same checkpoint, may be loaded before or after this one (``dcp.load`` loads its
+        ``Stateful`` entries in key order): the step recorded here is checked against the
+        manager's at the next ``iter()`` or ``next()``.
 
         Raises:
-            CheckpointError: the state is not this integration's, or was taken at another
-                step, on other data or with another batch size or group size.
+            CheckpointError: the state is not this integration's, or was taken on other data
+                or with another batch size or group size; at the next ``iter()``/``next()``:
+                it was taken at another step than the manager's.
         """
-        self._load_from_peer(state)
+        plain = self._check_tagged(state, None)
+        # Through the loader's own resume, at the committed position: what it changes there
+        # (a Mixture built with new weights records them from that position on) is then in
+        # the state every share is cut from, not applied from each share's own place.
+        self.loader.load_state_dict(plain)
+        self._use(self._normalized(own_rank_state(self.loader)))
+        self._step_due = int(state["torchft"]["step"])
+
+    def _check_step_due(self) -> None:
+        """A loaded state's step against the manager's, once both are loaded."""
+        due, self._step_due = self._step_due, None
+        if due is None:
+            return
+        step = int(self._manager.current_step())
+        if due != step:
+            self._step_due = due  # still wrong at the next try
+            raise CheckpointError(
+                f"the loader's state was taken at manager step {due} but the manager is at "
+                f"step {step}: load the manager's state (manager.load_state_dict) from the "
+                "same checkpoint before iterating"
+            )
 
     def _tagged(self, plain: dict[str, Any], step: int) -> dict[str, Any]:
         out = dict(plain)
@@ -253,10 +323,13 @@ class ReplicaGroupLoader:
             "group_world_size": self._group_world,
             "epoch_len": self._epoch_len,
             "batch_size": self._per_share,
+            "seed_per_sample": bool(self.loader.seed_per_sample),
         }
         return out
 
-    def _check_tagged(self, state: dict[str, Any], step: int) -> dict[str, Any]:
+    def _check_tagged(self, state: dict[str, Any], step: int | None) -> dict[str, Any]:
+        """The plain state of a tagged one, refusing another build (and, with ``step``
+        given, another manager step)."""
         if not isinstance(state, dict) or not isinstance(state.get("torchft"), dict):
             raise CheckpointError(
                 "not a ReplicaGroupLoader state: it has no 'torchft' record (a plain loader's "
@@ -278,7 +351,7 @@ class ReplicaGroupLoader:
                     f"the state was taken with {name}={tag.get(name)!r}, this loader has "
                     f"{name}={mine!r}: every replica group must be built alike"
                 )
-        if tag.get("step") != step:
+        if step is not None and tag.get("step") != step:
             raise CheckpointError(
                 f"the state was taken at manager step {tag.get('step')!r} but the manager is "
                 f"at step {step}: load the manager's state (manager.load_state_dict) first, "
@@ -306,7 +379,7 @@ class ReplicaGroupLoader:
         # iter(), so every group that holds this state draws the same one.
         self.loader.load_state_dict({k: v for k, v in state.items() if k != "sample_cut"})
         iter(self.loader)
-        drawn = self.loader.state_dict()
+        drawn = own_rank_state(self.loader)
         pos = position_of(drawn, self._per_share)
         assert pos is not None and drawn.get("seed") is not None
         return state_at(drawn, pos)
@@ -325,7 +398,7 @@ class ReplicaGroupLoader:
         for _ in self.loader:
             raise AssertionError("an epoch committed to its end still had batches")
         with self._lock:
-            self._committed = self._normalized(self.loader.state_dict())
+            self._committed = self._normalized(own_rank_state(self.loader))
             self._window = None
 
     # ---- iteration ----
@@ -342,6 +415,7 @@ class ReplicaGroupLoader:
         return self._last
 
     def __iter__(self) -> ReplicaGroupLoader:
+        self._check_step_due()
         self._settle()
         if self._position(self._committed) >= self._epoch_len:
             self._next_epoch()
@@ -350,12 +424,15 @@ class ReplicaGroupLoader:
 
     def __len__(self) -> int:
         """Steps left in the committed epoch if every step from now commits with the last
-        step's participants (one participating group before the first step)."""
+        step's participants. Before the first step the participants are not known yet (the
+        quorum comes with the first ``next()``): it counts this group alone, an upper bound
+        that shrinks once other groups join."""
         shares = self._last.shares if self._last is not None else self._group_world
         left = self._epoch_len - self._position(self._settled())
         return -(-left // (shares * self._per_share))
 
     def __next__(self) -> Any:
+        self._check_step_due()
         self._settle()
         if self._open and self._dealt:
             # A step without should_commit (optimizer.step() skipped): not committed here; if
@@ -442,13 +519,56 @@ class ReplicaGroupLoader:
         return iter(self.loader)
 
     def close(self) -> None:
-        """Give the manager its own ``start_quorum`` and ``should_commit`` back. The state
-        stays registered (torchft cannot unregister it); the inner loader is not closed."""
+        """Give the manager its own ``start_quorum`` and ``should_commit`` back and take the
+        state off its registry, so a new ``ReplicaGroupLoader`` can wrap the same manager.
+        The inner loader is not closed."""
         m = self._manager
-        if m.__dict__.get("start_quorum") == self._start_quorum:
+        start, commit, load, save = self._hooks
+        if m.__dict__.get("start_quorum") is start:
             del m.start_quorum
-        if m.__dict__.get("should_commit") == self._should_commit:
+        if m.__dict__.get("should_commit") is commit:
             del m.should_commit
+        # torchft 0.2.0 has no unregister: its two registries are private dicts.
+        for name, fn in (("_load_state_dict_fns", load), ("_user_state_dicts", save)):
+            registry = getattr(m, name, None)
+            if isinstance(registry, dict) and registry.get(self._key) is fn:
+                del registry[self._key]
+
+
+def _hooks(
+    ref: weakref.ref[ReplicaGroupLoader], key: str, start: Any, commit: Any
+) -> tuple[Any, Any, Any, Any]:
+    """The four functions the manager is given (``start_quorum``, ``should_commit``, and the
+    state's load and save), holding the loader only weakly. A loader dropped without
+    ``close()`` leaves the manager's own methods behind them, and a state that is gone."""
+
+    def gone() -> RuntimeError:
+        return RuntimeError(
+            f"the ReplicaGroupLoader registered under key={key!r} was dropped without "
+            "close(); close() it before dropping it"
+        )
+
+    def start_quorum(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        return start(*args, **kwargs) if me is None else me._start_quorum(*args, **kwargs)
+
+    def should_commit(*args: Any, **kwargs: Any) -> Any:
+        me = ref()
+        return commit(*args, **kwargs) if me is None else me._should_commit(*args, **kwargs)
+
+    def load(state: dict[str, Any]) -> None:
+        me = ref()
+        if me is None:
+            raise gone()
+        me._load_from_peer(state)
+
+    def save() -> dict[str, Any]:
+        me = ref()
+        if me is None:
+            raise gone()
+        return me._state_for_peer()
+
+    return start_quorum, should_commit, load, save
 
 
 def _first(it: Iterator[Any]) -> Any:
@@ -463,7 +583,7 @@ def _first(it: Iterator[Any]) -> Any:
 # ---- checks ----
 
 
-def _check_manager(manager: Any) -> None:
+def _check_manager(manager: Any, key: str) -> None:
     missing = [name for name in _MANAGER_API if not callable(getattr(manager, name, None))]
     if missing:
         raise ValueError(
@@ -482,8 +602,16 @@ def _check_manager(manager: Any) -> None:
     if "start_quorum" in getattr(manager, "__dict__", {}):
         raise ValueError(
             "this manager's start_quorum is already wrapped (a ReplicaGroupLoader already "
-            "uses it): one ReplicaGroupLoader per manager"
+            "uses it): one ReplicaGroupLoader per manager; close() the old one first"
         )
+    # torchft's register_state_dict_fn fails on a taken key with a bare assert: say it here.
+    for name in ("_load_state_dict_fns", "_user_state_dicts"):
+        registry = getattr(manager, name, None)
+        if isinstance(registry, dict) and key in registry:
+            raise ValueError(
+                f"this manager already has a state registered under key={key!r}: close() "
+                "the ReplicaGroupLoader that registered it, or pass another key="
+            )
 
 
 # The torchft versions whose Manager internals (the quorum in start_quorum, the private
@@ -518,11 +646,23 @@ def _check_loader(loader: Any) -> tuple[int, int]:
         raise ValueError(
             f"ReplicaGroupLoader wraps a resumable_loader.DataLoader, not {type(loader).__name__}"
         )
-    config = loader.state_dict()["config"]
+    config = own_rank_state(loader)["config"]
     if config.get("dataset_kind") != "map":
         raise ValueError(
-            "ReplicaGroupLoader does not deal streams (IterableDataset) yet: they need the "
-            "stream partitions of issue #33. Use a map-style dataset"
+            "ReplicaGroupLoader does not deal streams (IterableDataset): a Stream's rows "
+            "cannot be cut per committed step across live groups yet; use a map-style dataset"
+        )
+    if not getattr(loader, "in_order", True):
+        raise ValueError(
+            "ReplicaGroupLoader needs in_order=True: each step's batch must be that step's "
+            "own share, and with in_order=False a slow batch is overtaken by a later step's "
+            "(samples trained twice and missed); build the loader with in_order=True"
+        )
+    if getattr(loader, "on_poison", "raise") != "raise":
+        raise ValueError(
+            "ReplicaGroupLoader needs on_poison='raise': a skipped batch would shift every "
+            "later step onto the next step's share, and the skip cannot be agreed with the "
+            "other replica groups; build the loader with on_poison='raise' (the default)"
         )
     if config.get("batch_sampler") is not None:
         raise ValueError(

@@ -603,6 +603,13 @@ def took_last_batch(loader: DataLoader[Any]) -> bool | None:
     return False if has_exact_length(loader) else None
 
 
+def resumes_at_next_iter(loader: DataLoader[Any]) -> bool:
+    """Whether ``loader``'s next ``iter()`` continues a position -- a state given to
+    ``load_state_dict()``, or the tail its ranks' agreement carried -- rather than beginning a
+    new epoch, as torch's ``iter()`` does after an epoch begun (a batch peeked, say)."""
+    return loader._resume is not None or loader._carry_point() is not None
+
+
 def own_rank_state(loader: DataLoader[Any]) -> dict[str, Any]:
     """This rank's own state of ``loader`` -- what ``state_dict()`` gives outside
     ``torch.distributed.checkpoint`` -- without its checks and warning (``state_out``)."""

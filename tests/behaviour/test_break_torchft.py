@@ -9,7 +9,8 @@ tries one way a user could break that; the real-process ones run tests/_break_to
 (one process per replica group, real torchft 0.2.0, gloo on CPU), are behind --run-slow
 and are skipped where torchft is not installed.
 
-What fails today (review 34), most serious first:
+What failed at the review (34), most serious first -- all fixed on branch f34-fix (a refusal
+at wrap or heal time, or the promise kept; docs/torchft.md, "What is refused, and why"):
 
 * ``in_order=False`` is taken in: a batch overtaken by a later one is served as another
   step's share, and after an aborted step the epoch misses two samples and repeats two;
@@ -25,7 +26,8 @@ What fails today (review 34), most serious first:
   (``dcp.load`` loads the loader before the manager, and the loader refuses the step);
 * a dropped group's loader lives on as cyclic garbage through the manager, and its pool's
   shutdown runs inside another loader's worker (EBADF, joins of non-children);
-* a rebuilt loader on the same manager after ``close()`` dies in torchft's bare assert.
+* a rebuilt loader on the same manager after ``close()`` dies in torchft's bare assert
+  (fixed: ``close()`` unregisters; a key still taken is refused naming it).
 
 What holds (passes here): a membership change that keeps the count but moves the ranks; and
 with real torchft, a group failing ``should_commit`` alone while another rejoins in the
@@ -489,14 +491,29 @@ def test_a_batch_peeked_before_wrapping_is_not_lost_from_the_first_epoch() -> No
     assert sorted(trained) == list(range(n)), f"epoch {rl.epoch} trained {sorted(trained)}"
 
 
-def test_a_new_loader_on_the_same_manager_after_close_is_refused_clearly() -> None:
-    # close() gives the manager its methods back, but the state stays registered under
-    # `key`: wrapping a rebuilt loader (a new epoch's, other workers) on the same manager
+def test_a_new_loader_on_the_same_manager_after_close_works_or_is_refused_clearly() -> None:
+    # close() gives the manager its methods back; the state registered under `key` must go
+    # too, or wrapping a rebuilt loader (a new epoch's, other workers) on the same manager
     # fails inside the manager's register_state_dict_fn (torchft 0.2.0 asserts, as the fake
-    # does), with no message saying what to do.
+    # does), with no message saying what to do. (Adjusted in f34-fix: close() now
+    # unregisters, so the rebuilt loader must work; a key still taken must be refused with
+    # a message naming it.)
     m = FakeManager(World(), "g0")
-    ReplicaGroupLoader(_shuffled(8, 2), m).close()
-    with pytest.raises(ValueError, match="key"):
+    first = ReplicaGroupLoader(_shuffled(8, 2), m)
+    with pytest.raises(ValueError, match="close"):
+        ReplicaGroupLoader(_shuffled(8, 2), m)  # the first one still holds the manager
+    first.close()
+    rl = ReplicaGroupLoader(_shuffled(8, 2), m)
+    opt = FakeOptimizer(m)
+    trained: list[int] = []
+    for batch in rl:
+        opt.zero_grad()
+        trained += batch.tolist()
+        assert opt.step()
+    rl.close()
+    assert sorted(trained) == list(range(8))
+    m.register_state_dict_fn("resumable_loader", lambda state: None, dict)
+    with pytest.raises(ValueError, match="key='resumable_loader'"):
         ReplicaGroupLoader(_shuffled(8, 2), m)
 
 

@@ -100,7 +100,9 @@ class FakeManager:
         self._errored: Exception | None = None
         self._quorum: tuple[int, int | None] | None = None
         self._participating_replica_rank: int | None = None
-        self._fns: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        # torchft's own two registries (the loader unregisters from them at close()).
+        self._load_state_dict_fns: dict[str, Callable[[Any], None]] = {}
+        self._user_state_dicts: dict[str, Callable[[], Any]] = {}
         self.quorums = 0  # lighthouse rounds asked for
         self.heals: list[tuple[int, str]] = []  # (step, source)
         world.join(self)
@@ -110,11 +112,14 @@ class FakeManager:
     def register_state_dict_fn(
         self, key: str, load: Callable[[Any], None], save: Callable[[], Any]
     ) -> None:
-        assert key not in self._fns, key
-        self._fns[key] = (load, save)
+        assert key not in self._load_state_dict_fns, key
+        assert key not in self._user_state_dicts, key
+        self._load_state_dict_fns[key] = load
+        self._user_state_dicts[key] = save
 
     def _manager_state_dict(self) -> dict[str, Any]:
-        return {"user": {k: save() for k, (_, save) in self._fns.items()}, "step": self._step}
+        user = {k: save() for k, save in self._user_state_dicts.items()}
+        return {"user": user, "step": self._step}
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False) -> None:
         self.quorums += 1
@@ -133,7 +138,7 @@ class FakeManager:
         self._step = sent["step"]
         self._world.lineage[self.replica_id] = list(self._world.lineage[source])
         self.heals.append((max_step, source))
-        for key, (load, _) in self._fns.items():
+        for key, load in self._load_state_dict_fns.items():
             load(sent["user"][key])
 
     def wait_quorum(self) -> None:

@@ -392,14 +392,16 @@ def test_state_loads_into_a_plain_loader_and_a_whole_job_restart() -> None:
     plain = DataLoader(list(range(12)), batch_size=5, shuffle=True)
     plain.load_state_dict({k: v for k, v in saved.items() if k != "torchft"})
     assert [i for x in plain for i in x.tolist()] == order[4:]
-    # A whole-job restart: a fresh manager (step 0) refuses the state until its own is back.
+    # A whole-job restart: the loader's state may be loaded before the manager's (dcp.load
+    # loads in key order), but a fresh manager (step 0) is refused at the first next().
     world2 = World()
     m2, rl2, _opt2 = _ft(world2, "g0")
-    with pytest.raises(CheckpointError, match="manager step 2 but the manager is at step 0"):
-        rl2.load_state_dict(saved)
-    m2._step = 2  # manager.load_state_dict({"step": 2, ...})
     rl2.load_state_dict(saved)
     world2.begin_round(["g0"])
+    with pytest.raises(CheckpointError, match="manager step 2 but the manager is at step 0"):
+        next(rl2)
+    assert m2.quorums == 0, "a refused next() opened a quorum"
+    m2._step = 2  # manager.load_state_dict({"step": 2, ...})
     assert next(rl2).tolist() == order[4:6]
 
 
@@ -461,7 +463,9 @@ class _Stream(torch.utils.data.IterableDataset[int]):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"dataset": _Stream(), "batch_size": 2}, "streams .* issue #33"),
+        ({"dataset": _Stream(), "batch_size": 2}, "streams .* per committed step .* map-style"),
+        ({"dataset": list(range(8)), "batch_size": 2, "in_order": False}, "in_order=True"),
+        ({"dataset": list(range(8)), "batch_size": 2, "on_poison": "skip"}, "on_poison='raise'"),
         ({"dataset": list(range(8)), "batch_size": None}, "needs batch_size"),
         ({"dataset": list(range(8)), "batch_size": 2, "drop_last": True}, "drop_last=False"),
         (
@@ -501,11 +505,13 @@ def test_loaders_it_cannot_deal_are_refused(kwargs: dict[str, Any], match: str) 
 def test_one_loader_per_manager_and_close_restores_it() -> None:
     m = FakeManager(World(), "g0")
     rl = ReplicaGroupLoader(DataLoader(list(range(4)), batch_size=2), m)
-    assert m.start_quorum == rl._start_quorum
+    assert "start_quorum" in m.__dict__ and "should_commit" in m.__dict__
+    assert "resumable_loader" in m._user_state_dicts
     with pytest.raises(ValueError, match="one ReplicaGroupLoader per manager"):
         ReplicaGroupLoader(DataLoader(list(range(4)), batch_size=2), m, key="other")
     rl.close()
     assert "start_quorum" not in m.__dict__ and "should_commit" not in m.__dict__
+    assert not m._user_state_dicts and not m._load_state_dict_fns
 
 
 def test_a_heal_from_a_group_built_otherwise_is_refused() -> None:
@@ -589,3 +595,103 @@ def test_workers_and_pinned_batches_through_a_kill_and_a_heal() -> None:
     torch.testing.assert_close([v for _, v in committed], [v for _, v in want])
     for made in built:
         made.close()
+
+
+# ---- review 34's findings: what the wrapper takes in, and what a heal refuses ----
+
+
+def test_a_loader_iterated_before_wrapping_starts_the_epoch_its_next_iter_would() -> None:
+    # A peeked batch: a plain loader's next iter() is a new epoch, whole; so is the wrapper's.
+    def peeked() -> DataLoader[Any]:
+        dl = DataLoader(
+            list(range(10)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(3)
+        )
+        next(iter(dl))
+        return dl
+
+    plain = peeked()
+    want = [i for x in plain for i in x.tolist()]
+    m = FakeManager(World(), "g0")
+    rl, opt = ReplicaGroupLoader(peeked(), m), FakeOptimizer(m)
+    assert len(rl) == 5
+    got: list[int] = []
+    for batch in rl:
+        opt.zero_grad()
+        got += batch.tolist()
+        assert opt.step()
+    assert got == want
+
+
+def _mix(weight_b: float, **kw: Any) -> DataLoader[Any]:
+    mix = Mixture({"a": list(range(10)), "b": list(range(100, 110))}, {"a": 1, "b": weight_b})
+    return DataLoader(
+        mix, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0), **kw
+    )
+
+
+@pytest.mark.parametrize(
+    ("theirs", "mine", "match"),
+    [
+        (
+            {},
+            {"seed_per_sample": True},
+            "seed_per_sample=False, this loader has seed_per_sample=True",
+        ),
+        ({}, {"weight_b": 4}, r"Mixture has weights \{'a': 1, 'b': 1\}, this loader's has"),
+    ],
+)
+def test_a_heal_from_a_group_that_draws_otherwise_is_refused(
+    theirs: dict[str, Any], mine: dict[str, Any], match: str
+) -> None:
+    world = World()
+    m0 = FakeManager(world, "g0")
+    rl0 = ReplicaGroupLoader(_mix(theirs.pop("weight_b", 1), **theirs), m0)
+    next(rl0)
+    assert FakeOptimizer(m0).step()
+    m1 = FakeManager(world, "g1")
+    rl1 = ReplicaGroupLoader(_mix(mine.pop("weight_b", 1), **mine), m1)
+    next(rl0)
+    with pytest.raises(CheckpointError, match=match):
+        next(rl1)
+
+
+def test_after_a_restart_with_new_weights_a_group_built_with_them_heals() -> None:
+    # Every group restarts from the checkpoint with weights b=4; later g1 dies and comes back
+    # built the same way (b=4). Its heal is taken, and the epoch is the plain resume's.
+    world = World()
+    m0 = FakeManager(world, "g0")
+    rl0, opt0 = ReplicaGroupLoader(_mix(1), m0), FakeOptimizer(m0)
+    trained: list[int] = []
+    for _ in range(2):
+        trained += next(rl0).tolist()
+        assert opt0.step()
+    saved = rl0.state_dict()
+    rl0.close()
+    world2 = World()
+    m0 = FakeManager(world2, "g0")
+    m0._step = saved["torchft"]["step"]
+    rl0, opt0 = ReplicaGroupLoader(_mix(4), m0), FakeOptimizer(m0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the loader's own note of the new weights
+        rl0.load_state_dict(saved)
+    trained += next(rl0).tolist()
+    assert opt0.step()
+    m1 = FakeManager(world2, "g1")
+    rl1, opt1 = ReplicaGroupLoader(_mix(4), m1), FakeOptimizer(m1)
+    while True:
+        try:
+            dealt = next(rl0).tolist() + next(rl1).tolist()
+        except StopIteration:
+            break
+        trained += dealt
+        assert opt0.step() and opt1.step()
+    assert m1.heals, "g1 did not heal from g0"
+    plain = _mix(1)
+    it = iter(plain)
+    want = [i for _ in range(2) for i in next(it).tolist()]
+    resumed = _mix(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.load_state_dict(plain.state_dict())
+    want += [i for x in resumed for i in x.tolist()]
+    assert sorted(trained) == sorted(want)
