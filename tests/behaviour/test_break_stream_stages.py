@@ -13,8 +13,10 @@ from typing import Any
 
 import _token_shards as T
 import numpy as np
+import pytest
 
 from resumable_loader import DataLoader, Stream, dump_state, load_state
+from resumable_loader.plans.stream_mix import exhaustion
 
 REPO = Path(__file__).resolve().parents[2]
 WEB = list(range(16))
@@ -125,3 +127,22 @@ def test_the_skip_cli_on_a_state_without_config_gives_a_clear_error(tmp_path: Pa
     r = subprocess.run([*cmd, str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr, r.stderr[-800:]
+
+
+@pytest.mark.parametrize("policy", ["stop", "renormalize"])
+def test_a_shuffle_after_a_mix_keeps_the_exhaustion_counts_of_the_pass(policy: str) -> None:
+    """Promise ("A source that runs out ... Counted: out and took stay in the cursor, the
+    pass's end included"; ``exhaustion(state)`` sums them). A shuffle after the mix delivers
+    the same source items, so the pass's counts must be the plain mix's. With mix -> shuffle(3)
+    read to its end, one partition's ``out`` is lost: ``ran_out`` (and ``stopped``) is 3 of
+    the 4 partitions where the plain mix (and mix -> pack) says 4."""
+    plain = _mix_policy(policy)
+    shuffled = _mix_policy(policy).shuffle(3)
+    assert sum(1 for _ in plain) == sum(1 for _ in shuffled)
+    assert exhaustion(shuffled.state_dict()) == exhaustion(plain.state_dict())
+
+
+def _mix_policy(policy: str) -> Stream:
+    web = Stream.from_shards(WEB, _Docs(), seed=1, partitions=4)
+    code = Stream.from_shards(CODE, _Docs(), seed=2, partitions=4)
+    return Stream.mix({"web": web, "code": code}, OLD, seed=0, on_exhausted=policy)
