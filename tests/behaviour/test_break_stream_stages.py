@@ -110,7 +110,8 @@ def test_a_state_saved_after_new_weights_and_a_re_deal_loads_again() -> None:
     """Promise ("mix: new weights ... survives a second resume and a re-deal"). A plain mix
     saved with num_workers=0, resumed with new weights on 2 workers (batch 1) and saved after
     one batch: loading that state is refused, ``CheckpointError: workers[1].dataset_state:
-    stream.mix is ..., but workers[0]'s is ...: The state is damaged``."""
+    stream.mix is ..., but workers[0]'s is ...: The state is damaged``. Worker 0 (delivered)
+    records the weights history [old, new]; worker 1 (not delivered yet) still [old]."""
     head, state = _run(_mix(OLD), 0, 4, stop=3)
     mid, state2 = _run(_mix(NEW), 2, 1, state=state, stop=1)
     tail, _ = _run(_mix(NEW), 0, 6, state=state2)
@@ -222,3 +223,42 @@ def test_a_rank_whose_partitions_are_empty_does_not_stall_the_carried_rows_forev
     delivered = sorted(x for e in rank0.values() for b in e for x in b)
     pass0 = sorted(s * 1000 + i for s in range(0, 8, 2) for i in range(5))
     assert delivered[: len(pass0)] == pass0
+
+
+@pytest.mark.parametrize("cut", ["take", "skip", "select_range"])
+def test_hf_cache_files_of_a_contiguous_selection_reads_only_its_rows(
+    tmp_path: Path, cut: str
+) -> None:
+    """Promise (adapters: ``hf_cache_files(ds)`` refuses a dataset whose order its files do
+    not hold). ``ds.take(3)``, ``ds.skip(3)`` and ``ds.select(range(3, 6))`` of a dataset
+    saved to disk carry no indices mapping (datasets slices the table), so they are accepted,
+    but their cache file holds all 10 rows: a Stream over them reads 10 rows, not the
+    selection's, silently."""
+    datasets = pytest.importorskip("datasets")
+    from resumable_loader.adapters import arrow_reader, hf_cache_files
+
+    datasets.Dataset.from_dict({"text": [str(i) for i in range(10)]}).save_to_disk(tmp_path)
+    ds = datasets.load_from_disk(str(tmp_path))
+    part = {"take": ds.take(3), "skip": ds.skip(3), "select_range": ds.select(range(3, 6))}[cut]
+    want = sorted(part["text"])
+    try:
+        files = hf_cache_files(part)
+    except ValueError:
+        return  # refused with a clear error: also what the docs allow
+    rows = list(Stream.from_shards(files, arrow_reader(["text"]), partitions=len(files)))
+    assert sorted(r["text"] for r in rows) == want
+
+
+def test_hf_cache_files_of_a_dataset_dict_gives_a_clear_error(tmp_path: Path) -> None:
+    """Bad input gets a clear error naming what was wrong. ``hf_cache_files`` of a
+    ``DatasetDict`` (what ``load_dataset`` returns without ``split=``) raises ``TypeError:
+    string indices must be integers, not 'str'`` from inside the adapter."""
+    datasets = pytest.importorskip("datasets")
+    from resumable_loader.adapters import hf_cache_files
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(tmp_path)
+    dd = datasets.DatasetDict({"train": datasets.load_from_disk(str(tmp_path))})
+    with pytest.raises((TypeError, ValueError)) as err:
+        hf_cache_files(dd)
+    assert "string indices" not in str(err.value)
+    assert "DatasetDict" in str(err.value) or "split" in str(err.value)
