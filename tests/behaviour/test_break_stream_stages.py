@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import _stream_shards as F
 import _token_shards as T
 import numpy as np
 import pytest
@@ -262,3 +263,42 @@ def test_hf_cache_files_of_a_dataset_dict_gives_a_clear_error(tmp_path: Path) ->
         hf_cache_files(dd)
     assert "string indices" not in str(err.value)
     assert "DatasetDict" in str(err.value) or "split" in str(err.value)
+
+
+def _keep_all(x: int) -> bool:
+    return True
+
+
+def _keep_even(x: int) -> bool:
+    return x % 2 == 0
+
+
+def test_a_changed_filter_before_a_shuffle_repeats_nothing_and_keeps_what_it_passes() -> None:
+    """Promise (Shuffle, "Refused": "changing a map or filter function is still allowed"; "the
+    rows after the resume are then those of the new function"). read -> filter -> shuffle(4),
+    saved after 1 batch with a filter that keeps all, resumed with one that keeps even samples:
+    2 samples delivered before the save are delivered again, and 3 even samples after the
+    save point are never delivered (the half-used window is re-read through the new filter and
+    emitted from its old ``taken``)."""
+    shards = list(range(16))
+
+    def make(keep: Any) -> Stream:
+        return Stream.from_shards(shards, F.read, partitions=4).filter(keep).shuffle(4)
+
+    def run(keep: Any, state: Any = None, stop: int | None = None) -> tuple[list[int], Any]:
+        loader = DataLoader(make(keep), batch_size=3, num_workers=0, stream_tail=None)
+        if state is not None:
+            loader.load_state_dict(state)
+        out: list[int] = []
+        for n, b in enumerate(loader, 1):
+            out += b.tolist()
+            if n == stop:
+                return out, load_state(dump_state(loader.state_dict()))
+        return out, None
+
+    head, state = run(_keep_all, stop=1)
+    tail, _ = run(_keep_even, state=state)
+    counts = collections.Counter(head + tail)
+    assert [x for x, v in counts.items() if v > 1] == []
+    # every even sample is delivered: before the save by the old filter, or after it by the new
+    assert sorted(x for x in F.all_samples(shards) if x % 2 == 0 and x not in counts) == []
