@@ -197,6 +197,11 @@ def hf_cache_files(dataset: Any) -> list[str]:
             ``save_to_disk`` first.
     """
     files = getattr(dataset, "cache_files", None)
+    if isinstance(files, dict):
+        raise ValueError(
+            f"a DatasetDict (splits {sorted(files)}): pass one split, e.g. "
+            f"hf_cache_files(ds[{next(iter(sorted(files)))!r}])"
+        )
     if not files:
         raise ValueError(
             "the dataset has no cache files (it is held in memory): save it with "
@@ -207,7 +212,23 @@ def hf_cache_files(dataset: Any) -> list[str]:
             "the dataset has an indices mapping (after select, shuffle, train_test_split...), "
             "which its cache files do not hold: call dataset.flatten_indices() first"
         )
-    return [f["filename"] for f in files]
+    names = [f["filename"] for f in files]
+    # take/skip/select(range) keep no indices mapping: they slice the table over the same
+    # files, which still hold every row. The files are the dataset only if they hold exactly
+    # its rows.
+    pa = _pyarrow("hf_cache_files")
+    held = 0
+    for name in names:
+        with pa.memory_map(name, "r") as source:
+            held += _read_ipc(pa, source).num_rows
+    if held != len(dataset):
+        raise ValueError(
+            f"the dataset has {len(dataset)} rows but its cache files hold {held} (a "
+            "take/skip/select of a contiguous range slices the same files): write the "
+            "selection first (dataset.flatten_indices() after a select, or "
+            "dataset.save_to_disk(dir)) and read those files"
+        )
+    return names
 
 
 # ---- WebDataset-style tar files ----

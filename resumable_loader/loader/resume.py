@@ -111,7 +111,7 @@ def plan_resume(state: Any, shape: LoaderShape, policy: str) -> ResumePlan:
         state, shape.config, shape.kind == STATEFUL, dataset=shape.data, dataset_change_ok=True
     )
     D.settle(rp)
-    _check_streams(rp, shape)
+    rp = _check_streams(rp, shape)
     if rp.iterable:
         # The loader keeps the workers' dataset states until its workers load them: copies,
         # so that the caller reusing the dict it passed cannot change the resume.
@@ -379,7 +379,7 @@ def _merged_ranks(states: list[dict[str, Any]], shape: LoaderShape) -> S.ResumeP
     return dataclasses.replace(points[0], workers=[w for p in points for w in p.workers])
 
 
-def _check_streams(rp: S.ResumePoint, shape: LoaderShape) -> None:
+def _check_streams(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
     """Every worker's Stream state checked in the main process, on every layout, before the
     position is taken: what the worker's ``load_state_dict`` would refuse at its first batch
     (a damaged cursor, another pipeline) is refused here, on every rank alike; and what no
@@ -387,12 +387,16 @@ def _check_streams(rp: S.ResumePoint, shape: LoaderShape) -> None:
     another epoch than the loader state's, and a worker state that does not hold exactly the
     partitions its reader owned.
 
+    Returns ``rp`` with each worker's state as that worker holds it once loaded
+    (``Stream.adopted_state``: a mixture's new weights and segments), so that a state saved
+    before a worker's first batch agrees with the ones saved after.
+
     Raises:
         CheckpointError: naming the worker and the field.
     """
     stream = shape.stream
     if stream is None or not rp.iterable:
-        return
+        return rp
     first: tuple[int, dict[str, Any]] | None = None
     for i, w in enumerate(rp.workers):
         st = w.dataset_state
@@ -443,6 +447,13 @@ def _check_streams(rp: S.ResumePoint, shape: LoaderShape) -> None:
                 f"{world}, worker {wid} of {k}) owned {clip_text(repr(owned), 60)}: a partition "
                 "missing from it would start its pass again. The state is damaged."
             )
+    workers = [
+        w
+        if w.dataset_state is None
+        else dataclasses.replace(w, dataset_state=stream.adopted_state(w.dataset_state))
+        for w in rp.workers
+    ]
+    return dataclasses.replace(rp, workers=workers)
 
 
 def _redeal(rp: S.ResumePoint, shape: LoaderShape) -> S.ResumePoint:
@@ -591,8 +602,7 @@ def _rank_points(states: list[dict[str, Any]], shape: LoaderShape) -> list[S.Res
                 dataset=shape.data,
                 dataset_change_ok=True,
             )
-            _check_streams(point, shape)
-            points.append(point)
+            points.append(_check_streams(point, shape))
         except CheckpointError as e:
             if r == config["rank"] and world == config["world_size"]:
                 raise  # this rank's own entry: its error as a rank's own state gives it

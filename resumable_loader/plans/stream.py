@@ -193,6 +193,19 @@ class Stream(IterableDataset):
                     f"Stream.mix: {name!r}: the sources must be Streams under non-empty str "
                     f"names, got {type(s).__name__}"
                 )
+            if "." in name:
+                # Cursor fields are named "<source>.<field>": "a.b" would collide with the
+                # fields of source "b" of a mixture named "a".
+                raise ValueError(f"Stream.mix: source name {name!r} may not contain '.'")
+        seen: dict[int, str] = {}
+        for name, s in streams.items():
+            if id(s) in seen:
+                raise ValueError(
+                    f"Stream.mix: sources {seen[id(s)]!r} and {name!r} are the same Stream "
+                    "object: every item would come twice. To weight a source up, give it a "
+                    "larger weight"
+                )
+            seen[id(s)] = name
         if type(seed) is not int:
             raise TypeError(f"seed must be an int, got {seed!r}")
         head = len(S.HEAD_FIELDS)
@@ -483,8 +496,39 @@ class Stream(IterableDataset):
         mix = self._mix
         if mix is not None:
             # The sources, and new weights (a segment starts at each partition's position).
+            saved = len(mix.check_header(state[S.META_KEY].get(M.MIX_KEY)))
             mix = mix.adopt(state[S.META_KEY].get(M.MIX_KEY), cursors, len(S.HEAD_FIELDS))
+            after = S.positional_stages(self.pipeline())
+            inside = sorted(p for p, c in cursors.items() if c[S.ROWS] and not c[S.DONE])
+            if len(mix.history) > saved and after and inside:
+                # A stage after the mix that buffers (a shuffle window, a packer's carry or
+                # window) saves the mix's position where its buffer began, and re-reads that
+                # buffer at a resume: through the new weights it would be another buffer, so
+                # rows would be lost and repeated.
+                raise CheckpointError(
+                    f"Stream state: new mixture weights at a resume need the mix to be the "
+                    f"last stage that buffers, but {after} come after it, and partitions "
+                    f"{inside[:8]}{'...' if len(inside) > 8 else ''} are inside a pass, where "
+                    "they would re-read their buffer through the new weights. Resume with the "
+                    "checkpoint's weights, and change them at an epoch's start (a state taken "
+                    "at an epoch's end, or before the first batch)"
+                )
         return meta, cursors, mix
+
+    def adopted_state(self, state: Any) -> dict[Any, Any]:
+        """``state`` as this Stream holds it once loaded: for a mixture built with new weights,
+        the weights history with them appended and each partition's new segment in its
+        cursor. Our loader writes it for a worker that has not run yet, so that a state saved
+        before that worker's first batch says what the worker will do.
+
+        Raises:
+            CheckpointError: as ``load_state_dict``.
+        """
+        _, cursors, mix = self._parse(state)
+        header = dict(state[S.META_KEY])
+        if mix is not None:
+            header[M.MIX_KEY] = mix.header()
+        return {S.META_KEY: header, **cursors}
 
     def check_state(self, state: Any) -> tuple[S.StreamMeta, dict[int, list[int]]]:
         """Check ``state`` as ``load_state_dict`` would, changing nothing: our loader calls it

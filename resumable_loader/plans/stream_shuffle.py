@@ -137,6 +137,8 @@ class _Shuffle(Node):
         n = len(window)
         if self.taken >= n:  # a state saved at a window's end by hand: nothing left in it
             if self.ended or n == 0:
+                # The input's final position (a mix's "ran out" flags) goes in the cursor.
+                self._next_window()
                 return END
             self._next_window()
             return self.pull()

@@ -84,12 +84,19 @@ FREE_STAGES = ("map:", "random_map:", "filter:")
 
 def positional_stages(pipeline: Sequence[str]) -> list[str]:
     """The stages of ``pipeline`` (``Stream.pipeline()``) a state's positions depend on, by
-    what a position means in them: a concat packer's carry is a token count that any
-    ``seq_len`` continues, so its ``seq_len`` is not part of that (a best-fit window's rows
-    are, and keep it)."""
+    what a position means in them: every stage that buffers (shuffle, pack), and a filter
+    before one; a concat packer's carry is a token count that any ``seq_len`` continues, so
+    its ``seq_len`` is not part of that (a best-fit window's rows are, and keep it)."""
+    stages = list(pipeline[1:])
+    buffers = [i for i, name in enumerate(stages) if not name.startswith(FREE_STAGES)]
     out = []
-    for name in pipeline[1:]:
-        if name.startswith(FREE_STAGES):
+    for i, name in enumerate(stages):
+        # A filter before a stage that buffers decides which items fill its windows: another
+        # filter would re-read another window from the same position. It is compared by name
+        # (an edited function under the same name cannot be seen).
+        if name.startswith(FREE_STAGES) and not (
+            name.startswith("filter:") and buffers and i < buffers[-1]
+        ):
             continue
         out.append("pack:concat" if name.startswith("pack:concat(") else name)
     return out

@@ -95,7 +95,13 @@ def skip_samples(state: dict[str, Any], n: int) -> dict[str, Any]:
         # Other samplers: each rank iterates its own stream, and skips in it.
         return D.merge_rank_states([_skip_one(sd, n) for sd in states])
     if _is_stream(state):
-        world = state[S.K_CONFIG].get("world_size") if isinstance(state[S.K_CONFIG], dict) else 1
+        config = state.get(S.K_CONFIG)
+        if not isinstance(config, dict):
+            raise _fail(
+                f"{S.K_CONFIG} is missing or not a dict, got {clip_repr(config)}: the state is "
+                "damaged (a loader's state_dict() always has it)"
+            )
+        world = config.get("world_size")
         if world != 1:
             raise _fail(
                 f"this is one rank's state of a Stream read by {clip_repr(world)} ranks, and a "
