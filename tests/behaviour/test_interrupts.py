@@ -50,6 +50,11 @@ GROUP_GONE_S = 10.0
 CHILD = r"""
 import json, logging, os, select, signal, sys
 
+# A terminal's Python starts with SIGINT raising KeyboardInterrupt. A test run started in the
+# background without job control (`bash .ci/run &`, nohup) has SIGINT ignored, and a process it
+# starts keeps it ignored: this child would never see the Ctrl-C it is about to get.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import torch
 from _datasets import RandomAugDataset
 
