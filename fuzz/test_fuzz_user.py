@@ -76,7 +76,7 @@ if "FUZZ_KNOWN_BUGS" in os.environ:
     KNOWN_BUGS = {b for b in os.environ["FUZZ_KNOWN_BUGS"].split(",") if b}
 
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
-EXAMPLES = {"ci": 250, "long": 5000}.get(PROFILE, settings.default.max_examples)
+EXAMPLES = {"ci": 150, "long": 5000}.get(PROFILE, settings.default.max_examples)
 STEPS = 10
 WATCHDOG_S = 30.0  # torch's timeout: a lost batch fails the example instead of hanging it
 MAX_TOTAL_WORKERS = 3  # two cores: all ranks together

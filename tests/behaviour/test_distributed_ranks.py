@@ -59,7 +59,7 @@ def torchs_shards(world: int, epoch: int) -> list[list[int]]:
 # Fewer ranks after a DCP resume runs in the slow profile only: the re-cut itself is tested in
 # process for every pair of sizes (test_distributed.py), and the DCP path by the rows here.
 CASES = [
-    pytest.param(2, 2, 3, False, id="2to2"),
+    pytest.param(2, 2, 3, False, marks=pytest.mark.slow, id="2to2"),
     pytest.param(2, 3, 3, True, id="2to3-worker-killed"),
     pytest.param(3, 2, 2, False, marks=pytest.mark.slow, id="3to2"),
 ]

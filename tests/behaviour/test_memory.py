@@ -755,7 +755,7 @@ def run_in_small_shm(tmp_path: Path, shm_mib: int, batch_mib: float, n_batches: 
         # memory (memfd), which a small /dev/shm does not bound: the epoch goes through shared
         # memory, with no warning. (A failed shared allocation -- the inline path and its
         # warning -- is driven by testing.ShmFailure in the tests above.)
-        pytest.param(64, 37.0, 16, False, id="37MiB-batches-in-64MiB"),
+        pytest.param(64, 37.0, 16, False, marks=pytest.mark.slow, id="37MiB-batches-in-64MiB"),
     ],
 )
 def test_an_epoch_completes_in_a_small_real_shm(
