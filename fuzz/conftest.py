@@ -2,7 +2,7 @@
 
 Pick a profile with the environment variable ``HYPOTHESIS_PROFILE`` (default ``ci``):
 
-* ``ci``   -- 300 examples per test (the two loader state machines set 50 on themselves):
+* ``ci``   -- 300 examples per test (the two loader state machines set 35 on themselves):
   the whole of fuzz/ takes about 2-3 minutes on two cores, so it runs on every change;
 * ``long`` -- 20000 examples per test (5000 for the state machines), for a soak before a
   release or after touching a codec or the loader's state machine:

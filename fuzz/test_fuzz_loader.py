@@ -88,7 +88,7 @@ from resumable_loader.testing import (
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 # The ci profile keeps all of fuzz/ to a few minutes on two cores (the default run's budget is
 # 10 minutes in all); long is the pre-release soak.
-EXAMPLES = {"ci": 50, "long": 5000}.get(PROFILE, settings.default.max_examples)
+EXAMPLES = {"ci": 35, "long": 5000}.get(PROFILE, settings.default.max_examples)
 STEPS = 10
 
 MAP_SAMPLERS = ("seq", "shuffle", "replacement", "stateful", "nostate", "batch_sampler")
